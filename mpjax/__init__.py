@@ -1,0 +1,31 @@
+"""mpjax: functional mixed-precision training for JAX and Flax."""
+
+from mpjax.loss_scale import DynamicLossScale as DynamicLossScale
+from mpjax.loss_scale import LossScale as LossScale
+from mpjax.loss_scale import NoOpLossScale as NoOpLossScale
+from mpjax.loss_scale import StaticLossScale as StaticLossScale
+from mpjax.loss_scale import all_finite as all_finite
+from mpjax.loss_scale import select_tree as select_tree
+from mpjax.policy import POLICY_ENV_VAR as POLICY_ENV_VAR
+from mpjax.policy import PRESETS as PRESETS
+from mpjax.policy import Policy as Policy
+from mpjax.policy import get_policy as get_policy
+from mpjax.train_state import TrainState as TrainState
+from mpjax.train_step import make_train_step as make_train_step
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DynamicLossScale",
+    "LossScale",
+    "NoOpLossScale",
+    "POLICY_ENV_VAR",
+    "PRESETS",
+    "Policy",
+    "StaticLossScale",
+    "TrainState",
+    "all_finite",
+    "get_policy",
+    "make_train_step",
+    "select_tree",
+]

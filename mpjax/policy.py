@@ -1,0 +1,291 @@
+"""Precision policies: which dtype params, compute and outputs use.
+
+A :class:`Policy` is a frozen, hashable value. It is given to the code that is
+traced (a :class:`mpjax.TrainState` carries it as a static field), so changing
+the policy changes what is compiled; there is no global precision setting.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import functools
+import logging
+import os
+from typing import Any, TypeVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.typing import DTypeLike
+
+__all__ = ["Policy", "get_policy", "POLICY_ENV_VAR", "PRESETS"]
+
+T = TypeVar("T")
+
+POLICY_ENV_VAR = "MPJAX_POLICY"
+"""Environment variable that, when set, overrides every policy resolved from a spec."""
+
+_log = logging.getLogger("mpjax")
+
+# The only dtypes a policy moves leaves between. Integers, booleans, PRNG keys
+# and float64 are never touched by a cast.
+_CASTABLE = frozenset(np.dtype(d) for d in (jnp.float16, jnp.bfloat16, jnp.float32))
+
+
+def _is_castable(x: Any) -> bool:
+  dtype = getattr(x, "dtype", None)
+  if dtype is None or not isinstance(x, (jax.Array, np.ndarray, np.generic)):
+    return False
+  try:
+    return np.dtype(dtype) in _CASTABLE
+  except TypeError:  # extended dtypes such as PRNG key types
+    return False
+
+
+def cast_floating(tree: T, dtype: DTypeLike) -> T:
+  """Casts the f16/bf16/f32 array leaves of ``tree`` to ``dtype``; other leaves stay."""
+  dtype = np.dtype(dtype)
+
+  def cast(x):
+    if _is_castable(x) and x.dtype != dtype:
+      return x.astype(dtype)
+    return x
+
+  return jax.tree.map(cast, tree)
+
+
+def _canonical_dtype(value: Any, field: str) -> np.dtype:
+  try:
+    dtype = np.dtype(jnp.dtype(value))
+  except TypeError as e:
+    raise ValueError(
+        f"Policy {field}={value!r} is not a dtype; use jnp.float32, jnp.bfloat16 or jnp.float16."
+    ) from e
+  if not jnp.issubdtype(dtype, jnp.floating):
+    raise ValueError(
+        f"Policy {field}={dtype.name} is not a floating dtype; use jnp.float32, "
+        "jnp.bfloat16 or jnp.float16."
+    )
+  return dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+  """Which dtype parameters, computation and outputs use.
+
+  A policy is static: it is hashable, compares by value, and is carried by the
+  code that is traced, so a new policy means a new compiled program.
+
+  Attributes:
+    param_dtype: dtype of the stored (master) parameters.
+    compute_dtype: dtype the forward and backward computation runs in.
+    output_dtype: dtype of what the model returns.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import mpjax
+    >>> policy = mpjax.Policy(jnp.float32, jnp.bfloat16, jnp.float32)
+    >>> policy
+    Policy(param_dtype=float32, compute_dtype=bfloat16, output_dtype=float32)
+    >>> policy.cast_to_compute({"w": jnp.ones(2), "label": jnp.array(3)})["w"].dtype
+    dtype(bfloat16)
+  """
+
+  param_dtype: DTypeLike
+  compute_dtype: DTypeLike
+  output_dtype: DTypeLike
+
+  def __post_init__(self):
+    for field in ("param_dtype", "compute_dtype", "output_dtype"):
+      object.__setattr__(self, field, _canonical_dtype(getattr(self, field), field))
+
+  def cast_to_param(self, tree: T) -> T:
+    """Casts the f16/bf16/f32 leaves of ``tree`` to ``param_dtype``."""
+    return cast_floating(tree, self.param_dtype)
+
+  def cast_to_compute(self, tree: T) -> T:
+    """Casts the f16/bf16/f32 leaves of ``tree`` to ``compute_dtype``."""
+    return cast_floating(tree, self.compute_dtype)
+
+  def cast_to_output(self, tree: T) -> T:
+    """Casts the f16/bf16/f32 leaves of ``tree`` to ``output_dtype``."""
+    return cast_floating(tree, self.output_dtype)
+
+  def with_output_dtype(self, output_dtype: DTypeLike) -> Policy:
+    """Returns this policy with ``output_dtype`` replaced."""
+    return dataclasses.replace(self, output_dtype=output_dtype)
+
+  def __repr__(self) -> str:
+    return (
+        f"Policy(param_dtype={self.param_dtype.name}, "
+        f"compute_dtype={self.compute_dtype.name}, output_dtype={self.output_dtype.name})"
+    )
+
+  __str__ = __repr__
+
+
+_F32, _BF16, _F16 = np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16)
+
+PRESETS: dict[str, Policy] = {
+    "fp32": Policy(_F32, _F32, _F32),
+    "mixed_bf16": Policy(_F32, _BF16, _F32),
+    "mixed_fp16": Policy(_F32, _F16, _F32),
+    "pure_bf16": Policy(_BF16, _BF16, _BF16),
+}
+"""The named policies; ``"auto"`` picks one of them for the running backend."""
+
+_DTYPE_NAMES = {
+    "bf16": _BF16,
+    "bfloat16": _BF16,
+    "f16": _F16,
+    "fp16": _F16,
+    "float16": _F16,
+    "f32": _F32,
+    "fp32": _F32,
+    "float32": _F32,
+    "full": _F32,
+    "single": _F32,
+    "f64": np.dtype(np.float64),
+    "float64": np.dtype(np.float64),
+    "double": np.dtype(np.float64),
+}
+_KEYS = {"p": "param", "params": "param", "c": "compute", "compute": "compute",
+         "o": "output", "output": "output"}
+
+
+def _cpu_has_native_bf16_dot() -> bool:
+  """Whether this x86 CPU has bf16 dot-product instructions (AVX512-BF16 or AMX)."""
+  try:
+    with open("/proc/cpuinfo") as f:
+      flags = f.read()
+  except OSError:
+    return False
+  return any(flag in flags.split() for flag in ("avx512_bf16", "amx_bf16"))
+
+
+def _auto_policy() -> tuple[Policy, str]:
+  """The fastest safe policy for the default backend, and why."""
+  device = jax.devices()[0]
+  if device.platform == "tpu":
+    return PRESETS["mixed_bf16"], "TPU: bf16 matrix units"
+  if device.platform == "gpu":
+    capability = getattr(device, "compute_capability", None)
+    try:
+      major = int(str(capability).split(".")[0])
+    except ValueError:
+      major = 0
+    if major >= 8:
+      return PRESETS["mixed_bf16"], f"GPU of compute capability {capability}: bf16 Tensor Cores"
+    if major == 7:
+      return PRESETS["mixed_fp16"], f"GPU of compute capability {capability}: fp16 Tensor Cores only"
+    return PRESETS["fp32"], f"GPU of compute capability {capability}: no half-precision Tensor Cores"
+  if device.platform == "cpu" and _cpu_has_native_bf16_dot():
+    return PRESETS["mixed_bf16"], "CPU with native bf16 dot instructions (AVX512-BF16/AMX)"
+  return PRESETS["fp32"], f"{device.platform} without native bf16 dot instructions"
+
+
+def _half_dtype() -> np.dtype:
+  # jmp's meaning of "half": bf16 on TPU, fp16 elsewhere.
+  return _BF16 if jax.devices()[0].platform == "tpu" else _F16
+
+
+def _parse_dtype(name: str, spec: str) -> np.dtype:
+  if name == "half":
+    return _half_dtype()
+  if name in _DTYPE_NAMES:
+    return _DTYPE_NAMES[name]
+  raise _spec_error(spec, f"unknown dtype {name!r}")
+
+
+def _spec_error(spec: Any, problem: str) -> ValueError:
+  names = [*PRESETS, "auto"]
+  nearest = difflib.get_close_matches(str(spec).strip().lower(), names, n=1, cutoff=0.0)
+  return ValueError(
+      f"Cannot read precision policy {spec!r}: {problem}. Accepted forms: a preset "
+      f"({', '.join(repr(n) for n in names)}); jmp's grammar such as "
+      "'params=float32,compute=bfloat16,output=float32', 'p=f32,c=bf16' or a single dtype "
+      "('half', 'full', 'bf16', 'f16', 'f32'); a jmp.Policy; or an mpjax.Policy. "
+      f"Nearest preset: {nearest[0]!r}."
+  )
+
+
+def _parse_string(spec: str) -> tuple[Policy, str]:
+  text = spec.strip().lower()
+  if text == "auto":
+    policy, why = _auto_policy()
+    return policy, f"'auto' on {why}"
+  if text in PRESETS:
+    return PRESETS[text], f"preset {text!r}"
+  if "=" not in text:
+    dtype = _parse_dtype(text, spec)
+    return Policy(dtype, dtype, dtype), f"dtype {text!r} for params, compute and output"
+  dtypes: dict[str, np.dtype] = {}
+  for part in text.split(","):
+    key, sep, value = (s.strip() for s in part.partition("="))
+    if not sep or key not in _KEYS:
+      raise _spec_error(spec, f"{part.strip()!r} is not 'params=', 'compute=' or 'output=' a dtype")
+    dtypes[_KEYS[key]] = _parse_dtype(value, spec)
+  # jmp's defaults: params f32, compute follows params, output follows compute.
+  param = dtypes.get("param", _F32)
+  compute = dtypes.get("compute", param)
+  output = dtypes.get("output", compute)
+  return Policy(param, compute, output), f"spec {spec!r}"
+
+
+def _resolve(spec: Any) -> tuple[Policy, str]:
+  if isinstance(spec, Policy):
+    return spec, "an mpjax.Policy"
+  if isinstance(spec, str):
+    return _parse_string(spec)
+  if all(hasattr(spec, a) for a in ("param_dtype", "compute_dtype", "output_dtype")):
+    # A jmp.Policy, or any object with the same three fields.
+    policy = Policy(spec.param_dtype, spec.compute_dtype, spec.output_dtype)
+    return policy, f"a {type(spec).__name__}"
+  raise _spec_error(spec, f"a {type(spec).__name__} is not a policy spec")
+
+
+@functools.lru_cache(maxsize=None)
+def _log_override_once(env_value: str, policy: Policy, why: str) -> None:
+  _log.warning(
+      "%s=%r is set: every policy resolved from a spec is %s (%s), whatever the code asks for.",
+      POLICY_ENV_VAR, env_value, policy, why,
+  )
+
+
+def get_policy(spec: Policy | str | Any = "mixed_bf16") -> Policy:
+  """Resolves a policy from a preset name, jmp's string grammar, a jmp.Policy or a Policy.
+
+  Presets: ``"fp32"``; ``"mixed_bf16"`` (params f32, compute bf16, output f32);
+  ``"mixed_fp16"`` (the same with fp16); ``"pure_bf16"`` (all bf16); ``"auto"``
+  (bf16 on TPU and on NVIDIA GPUs of compute capability >= 8.0, fp16 on 7.x,
+  bf16 on CPUs with AVX512-BF16 or AMX, else fp32).
+
+  When the environment variable ``MPJAX_POLICY`` is set, its value is resolved
+  in place of ``spec`` (the way ``TF_ENABLE_AUTO_MIXED_PRECISION`` switches a
+  TensorFlow program without code changes), and a warning says so once.
+
+  Args:
+    spec: what to resolve.
+
+  Returns:
+    The policy.
+
+  Raises:
+    ValueError: if ``spec`` (or ``MPJAX_POLICY``) cannot be read; the message
+      lists the accepted forms and the nearest preset.
+
+  Example:
+    >>> import mpjax
+    >>> mpjax.get_policy("p=f32,c=bf16,o=f32") == mpjax.get_policy("mixed_bf16")
+    True
+  """
+  env_value = os.environ.get(POLICY_ENV_VAR, "").strip()
+  if env_value:
+    try:
+      policy, why = _parse_string(env_value)
+    except ValueError as e:
+      raise ValueError(f"Environment variable {POLICY_ENV_VAR}: {e}") from None
+    _log_override_once(env_value, policy, why)
+    return policy
+  return _resolve(spec)[0]

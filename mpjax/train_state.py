@@ -1,0 +1,133 @@
+"""The mixed-precision train state: fp32 master params, optimizer state, loss scale."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import struct
+
+from mpjax._dtypes import is_floating
+from mpjax.loss_scale import DynamicLossScale, LossScale, NoOpLossScale, StaticLossScale
+from mpjax.policy import Policy, get_policy
+
+__all__ = ["TrainState"]
+
+_LOSS_SCALE_TYPES = (NoOpLossScale, StaticLossScale, DynamicLossScale)
+
+
+def default_loss_scale(policy: Policy) -> LossScale:
+  """Dynamic scaling for fp16 compute (its gradients underflow), none otherwise."""
+  if policy.compute_dtype == jnp.float16:
+    return DynamicLossScale()
+  return NoOpLossScale()
+
+
+def _own(x: Any, original: Any) -> Any:
+  """A copy of ``x`` if it is the caller's own array, else ``x``."""
+  return jnp.copy(x) if x is original and isinstance(x, jax.Array) else x
+
+
+class TrainState(struct.PyTreeNode):
+  """Everything a mixed-precision training step reads and writes.
+
+  Attributes:
+    step: the number of updates applied (int32); a skipped step leaves it.
+    params: the master parameters, in the policy's ``param_dtype``.
+    opt_state: the optax optimizer state, built from the master parameters.
+    loss_scale: a :class:`NoOpLossScale`, :class:`StaticLossScale` or
+      :class:`DynamicLossScale`.
+    skipped_steps: the number of steps skipped for non-finite gradients (int32).
+    apply_fn: the model's apply function (static), e.g. ``model.apply``.
+    tx: the optax optimizer (static).
+    policy: the precision :class:`Policy` (static: a new policy is a new
+      compiled step).
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, flax.linen as nn
+    >>> import mpjax
+    >>> model = nn.Dense(4)
+    >>> params = model.init(jax.random.key(0), jnp.ones((1, 3)))
+    >>> state = mpjax.TrainState.create(
+    ...     apply_fn=model.apply, params=params, tx=optax.adam(1e-3), policy="mixed_fp16")
+    >>> type(state.loss_scale).__name__, state.params["params"]["kernel"].dtype
+    ('DynamicLossScale', dtype('float32'))
+  """
+
+  step: jax.Array
+  params: Any
+  opt_state: optax.OptState
+  loss_scale: LossScale
+  skipped_steps: jax.Array
+  apply_fn: Callable[..., Any] = struct.field(pytree_node=False)
+  tx: optax.GradientTransformation = struct.field(pytree_node=False)
+  policy: Policy = struct.field(pytree_node=False)
+
+  @classmethod
+  def create(
+      cls,
+      *,
+      apply_fn: Callable[..., Any],
+      params: Any,
+      tx: optax.GradientTransformation,
+      policy: Policy | str | Any = "mixed_bf16",
+      loss_scale: LossScale | None = None,
+  ) -> TrainState:
+    """Builds a state with step 0 and the optimizer initialised on the master params.
+
+    Args:
+      apply_fn: the model's apply function.
+      params: the initial parameters; cast to the policy's ``param_dtype``.
+      tx: an optax optimizer.
+      policy: anything :func:`mpjax.get_policy` reads (``MPJAX_POLICY``
+        overrides it).
+      loss_scale: the loss-scale state; ``None`` means the policy's default:
+        :class:`DynamicLossScale` for fp16 compute, :class:`NoOpLossScale`
+        otherwise.
+
+    Returns:
+      The new state.
+
+    Raises:
+      ValueError: if the policy cannot be read or ``params`` holds no floating
+        leaf to train.
+      TypeError: if ``tx`` or ``loss_scale`` is of the wrong kind.
+    """
+    policy = get_policy(policy)
+    if not isinstance(tx, optax.GradientTransformation):
+      raise TypeError(
+          f"TrainState.create: tx must be an optax.GradientTransformation such as "
+          f"optax.adam(1e-3), got {type(tx).__name__}."
+      )
+    if loss_scale is None:
+      loss_scale = default_loss_scale(policy)
+    elif not isinstance(loss_scale, _LOSS_SCALE_TYPES):
+      raise TypeError(
+          "TrainState.create: loss_scale must be mpjax.NoOpLossScale(), "
+          "mpjax.StaticLossScale(scale), mpjax.DynamicLossScale() or None (the policy's "
+          f"default), got {type(loss_scale).__name__}."
+      )
+    leaves = jax.tree.leaves(params)
+    if not any(is_floating(x) for x in leaves):
+      raise ValueError(
+          "TrainState.create: params has no floating-point leaf to train "
+          f"({len(leaves)} leaves, none float). Pass the model's parameters, e.g. "
+          "model.init(rng, x), not its config or an empty tree."
+      )
+    # The state owns its buffers: donating it to a jitted step must not delete
+    # the arrays the caller passed in.
+    params = jax.tree.map(_own, policy.cast_to_param(params), params)
+    loss_scale = jax.tree.map(lambda x: _own(x, x), loss_scale)
+    return cls(
+        step=jnp.zeros((), jnp.int32),
+        params=params,
+        opt_state=tx.init(params),
+        loss_scale=loss_scale,
+        skipped_steps=jnp.zeros((), jnp.int32),
+        apply_fn=apply_fn,
+        tx=tx,
+        policy=policy,
+    )

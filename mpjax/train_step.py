@@ -1,0 +1,178 @@
+"""The mixed-precision train step: scaled loss, unscaled fp32 grads, skip if non-finite."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+
+from mpjax._dtypes import is_floating
+from mpjax.loss_scale import all_finite
+from mpjax.train_state import TrainState
+
+__all__ = ["make_train_step"]
+
+LossFn = Callable[[Any, Any], Any]
+StepFn = Callable[[TrainState, Any], tuple[TrainState, dict[str, Any]]]
+
+
+def _split_loss(out: Any) -> tuple[jax.Array, Any]:
+  """``loss`` or ``(loss, aux)`` into ``(loss, aux)``, checking the loss is a float scalar."""
+  if isinstance(out, (tuple, list)):
+    if len(out) != 2:
+      raise ValueError(
+          f"loss_fn returned a {type(out).__name__} of {len(out)} items; it must return a "
+          "scalar loss or a pair (loss, aux)."
+      )
+    loss, aux = out
+  else:
+    loss, aux = out, None
+  shape = getattr(loss, "shape", None)
+  if shape != () or not is_floating(loss):
+    kind = (
+        f"an array of shape {tuple(shape)} and dtype {loss.dtype}"
+        if shape is not None
+        else f"a {type(loss).__name__}"
+    )
+    raise ValueError(
+        f"loss_fn must return a floating scalar loss (or (loss, aux)), but its loss is {kind}. "
+        "Reduce it to a scalar, e.g. return jnp.mean(per_example_loss)."
+    )
+  return loss, aux
+
+
+def _like(new: Any, old: Any) -> Any:
+  """``new`` with the dtypes of ``old``, so the state keeps a stable dtype step after step."""
+  return jax.tree.map(lambda n, o: n.astype(o.dtype) if hasattr(o, "dtype") else n, new, old)
+
+
+def make_train_step(
+    loss_fn: LossFn,
+    *,
+    axis_name: Hashable | Sequence[Hashable] | None = None,
+    max_grad_norm: float | None = None,
+    cast_batch: bool = True,
+) -> StepFn:
+  """Builds a pure mixed-precision training step ``step(state, batch) -> (state, metrics)``.
+
+  The step casts the fp32 master params (and the batch's floating leaves) to the
+  policy's compute dtype, runs ``loss_fn``, takes the loss in f32, scales it,
+  differentiates with respect to the master params, unscales the gradients
+  with the same scale, decides once (for all devices) whether they are finite,
+  clips them if asked, and applies the optax update in f32. On a non-finite
+  step params, optimizer state and ``step`` stay bit-identical; only the loss
+  scale and ``skipped_steps`` move.
+
+  Wrap the step in ``jax.jit``, donating the state:
+  ``jax.jit(step, donate_argnums=0)``.
+
+  Args:
+    loss_fn: ``loss_fn(params, batch)`` returning a scalar loss or ``(loss, aux)``.
+      It gets params (and, with ``cast_batch``, the batch) in the compute dtype;
+      integer leaves such as labels are untouched. Compute the loss itself from
+      f32 logits (``logits.astype(jnp.float32)``) for fp16 safety.
+    axis_name: under ``shard_map`` or ``pmap``, the data-parallel axis name(s):
+      gradients and the loss are averaged over it and the finite decision is
+      shared. Leave ``None`` under ``jit`` with shardings, where everything is
+      global already.
+    max_grad_norm: if set, gradients are clipped to this global norm (after
+      unscaling).
+    cast_batch: cast the batch's f16/bf16/f32 leaves to the compute dtype; turn
+      off for inputs that must stay f32.
+
+  Returns:
+    ``step(state, batch) -> (state, metrics)``; ``metrics`` holds ``loss``
+    (unscaled, f32), ``grad_norm`` (before clipping), ``loss_scale`` (the scale
+    this step used), ``grads_finite``, and ``aux`` when ``loss_fn`` returns one.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, flax.linen as nn
+    >>> import mpjax
+    >>> model = nn.Dense(1)
+    >>> x, y = jnp.ones((8, 3)), jnp.zeros((8, 1))
+    >>> state = mpjax.TrainState.create(apply_fn=model.apply,
+    ...     params=model.init(jax.random.key(0), x), tx=optax.sgd(0.1))
+    >>> def loss_fn(params, batch):
+    ...   pred = model.apply(params, batch["x"])
+    ...   return jnp.mean((pred.astype(jnp.float32) - batch["y"]) ** 2)
+    >>> step = jax.jit(mpjax.make_train_step(loss_fn), donate_argnums=0)
+    >>> state, metrics = step(state, {"x": x, "y": y})
+    >>> int(state.step), metrics["loss"].dtype
+    (1, dtype('float32'))
+  """
+  if not callable(loss_fn):
+    raise TypeError(
+        f"make_train_step: loss_fn must be a function loss_fn(params, batch), got "
+        f"{type(loss_fn).__name__}."
+    )
+  if max_grad_norm is not None and not max_grad_norm > 0:
+    raise ValueError(
+        f"make_train_step: max_grad_norm={max_grad_norm!r} must be positive, or None for no "
+        "clipping."
+    )
+
+  def step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
+    if not isinstance(state, TrainState):
+      raise TypeError(
+          f"train step: state must be an mpjax.TrainState (from TrainState.create), got "
+          f"{type(state).__name__}."
+      )
+    policy, loss_scale = state.policy, state.loss_scale
+    compute_batch = policy.cast_to_compute(batch) if cast_batch else batch
+
+    def scaled_loss(params):
+      loss, aux = _split_loss(loss_fn(policy.cast_to_compute(params), compute_batch))
+      loss = loss.astype(jnp.float32)
+      return loss_scale.scale(loss), (loss, aux)
+
+    grads, (loss, aux) = jax.grad(scaled_loss, has_aux=True)(state.params)
+    grads = loss_scale.unscale(grads)
+    if axis_name is not None:
+      grads, loss = lax.pmean((grads, loss), axis_name)
+    # One pass over the gradients gives both the norm and the finite check: the
+    # sum of squares is non-finite iff some gradient is inf/NaN (or the norm
+    # itself overflows f32, > 1.8e19, a step no one wants applied either).
+    grad_norm = optax.global_norm(grads)
+    grads_finite = jnp.isfinite(grad_norm)
+    if axis_name is not None:
+      grads_finite = all_finite(grad_norm, axis_name=axis_name)
+    if max_grad_norm is not None:
+      grads = jax.tree.map(lambda g: g * jnp.minimum(1.0, max_grad_norm / grad_norm), grads)
+
+    def apply_update(operands):
+      params, opt_state, grads = operands
+      updates, new_opt_state = state.tx.update(_like(grads, params), opt_state, params)
+      new_params = optax.apply_updates(params, updates)
+      return _like(new_params, params), _like(new_opt_state, opt_state)
+
+    def keep(operands):
+      return operands[0], operands[1]
+
+    # A conditional, not a select between two full copies of params and optimizer
+    # state: a skipped step costs nothing and a finite one no extra pass.
+    params, opt_state = lax.cond(
+        grads_finite, apply_update, keep, (state.params, state.opt_state, grads)
+    )
+    skipped = (~grads_finite).astype(jnp.int32)
+    new_state = state.replace(
+        step=state.step + 1 - skipped,
+        params=params,
+        opt_state=opt_state,
+        loss_scale=loss_scale.adjust(grads_finite),
+        skipped_steps=state.skipped_steps + skipped,
+    )
+    metrics = {
+        "loss": loss,
+        "grad_norm": grad_norm,
+        "loss_scale": loss_scale.loss_scale,
+        "grads_finite": grads_finite,
+    }
+    if aux is not None:
+      metrics["aux"] = aux
+    return new_state, metrics
+
+  return step
