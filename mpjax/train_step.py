@@ -136,7 +136,7 @@ def make_train_step(
     # One pass over the gradients gives both the norm and the finite check: the
     # sum of squares is non-finite iff some gradient is inf/NaN (or the norm
     # itself overflows f32, > 1.8e19, a step no one wants applied either).
-    grad_norm = optax.global_norm(grads)
+    grad_norm = optax.tree.norm(grads)
     grads_finite = jnp.isfinite(grad_norm)
     if axis_name is not None:
       grads_finite = all_finite(grad_norm, axis_name=axis_name)

@@ -1,0 +1,144 @@
+import logging
+
+import chex
+import jax
+import jax.numpy as jnp
+import jmp
+import numpy as np
+import pytest
+
+import mpjax
+from mpjax import policy as policy_module
+
+F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
+
+
+@pytest.mark.parametrize(
+    "spec, expected",
+    [
+        ("fp32", (F32, F32, F32)),
+        ("mixed_bf16", (F32, BF16, F32)),
+        ("mixed_fp16", (F32, F16, F32)),
+        ("pure_bf16", (BF16, BF16, BF16)),
+        ("params=float32,compute=bfloat16,output=float32", (F32, BF16, F32)),
+        ("p=f32,c=bf16", (F32, BF16, BF16)),  # jmp: output follows compute
+        ("c=f16", (F32, F16, F16)),
+        ("p=f16,c=f16", (F16, F16, F16)),
+        (" P = F32 , C = BF16 , O = F32 ", (F32, BF16, F32)),
+        ("half", (F16, F16, F16)),  # jmp's half on a CPU/GPU
+        ("full", (F32, F32, F32)),
+        ("bf16", (BF16, BF16, BF16)),
+    ],
+)
+def test_get_policy_grammar(spec, expected):
+  policy = mpjax.get_policy(spec)
+  assert (policy.param_dtype, policy.compute_dtype, policy.output_dtype) == tuple(
+      np.dtype(d) for d in expected
+  )
+
+
+def test_get_policy_accepts_jmp_and_mpjax_policies():
+  policy = mpjax.get_policy(jmp.get_policy("p=f32,c=bf16,o=f32"))
+  assert policy == mpjax.get_policy("mixed_bf16")
+  assert mpjax.get_policy(policy) is policy
+
+
+def test_policy_is_hashable_static_and_prints_readably():
+  a = mpjax.Policy(jnp.float32, jnp.bfloat16, jnp.float32)
+  b = mpjax.Policy(np.float32, "bfloat16", np.dtype("float32"))
+  assert a == b and hash(a) == hash(b)
+  assert repr(a) == "Policy(param_dtype=float32, compute_dtype=bfloat16, output_dtype=float32)"
+  assert str(mpjax.get_policy("mixed_fp16")).count("float16") == 1
+  with pytest.raises(Exception):
+    a.compute_dtype = jnp.float16  # frozen
+  assert a.with_output_dtype(jnp.bfloat16).output_dtype == jnp.bfloat16
+
+
+def test_policy_rejects_non_floating_dtype():
+  with pytest.raises(ValueError, match="not a floating dtype"):
+    mpjax.Policy(jnp.float32, jnp.int8, jnp.float32)
+
+
+def test_casts_only_half_and_single_float_leaves():
+  policy = mpjax.get_policy("mixed_bf16")
+  tree = {
+      "w": jnp.ones((2,), jnp.float32),
+      "h": jnp.ones((2,), jnp.float16),
+      "np": np.ones((2,), np.float32),
+      "label": jnp.arange(3),
+      "mask": jnp.array([True, False]),
+      "key": jax.random.key(0),
+      "raw_key": jax.random.PRNGKey(0),
+      "f64": np.ones((2,), np.float64),
+      "scalar": 1.5,
+  }
+
+  @jax.jit
+  def cast(tree):
+    return policy.cast_to_compute(tree), policy.cast_to_param(tree), policy.cast_to_output(tree)
+
+  compute, param, output = cast(tree)
+  for name in ("w", "h", "np"):
+    chex.assert_type(compute[name], jnp.bfloat16)
+    chex.assert_type(param[name], jnp.float32)
+    chex.assert_type(output[name], jnp.float32)
+  assert compute["label"].dtype == jnp.int32
+  assert compute["mask"].dtype == jnp.bool_
+  assert jax.dtypes.issubdtype(compute["key"].dtype, jax.dtypes.prng_key)
+  assert compute["raw_key"].dtype == jnp.uint32
+  # float64 stays float64 outside jit (under jit without x64 JAX itself makes it f32).
+  assert policy.cast_to_compute(tree)["f64"].dtype == np.float64
+
+
+@pytest.mark.parametrize("typo, nearest", [("mixed_bf61", "mixed_bf16"), ("fp_32", "fp32"),
+                                           ("mixd_fp16", "mixed_fp16")])
+def test_unreadable_spec_names_forms_and_nearest_preset(typo, nearest):
+  with pytest.raises(ValueError) as info:
+    mpjax.get_policy(typo)
+  message = str(info.value)
+  assert f"Nearest preset: {nearest!r}" in message
+  assert "p=f32,c=bf16" in message and "jmp.Policy" in message
+
+
+def test_unreadable_spec_kinds():
+  with pytest.raises(ValueError, match="unknown dtype 'f8'"):
+    mpjax.get_policy("p=f32,c=f8")
+  with pytest.raises(ValueError, match="'params='"):
+    mpjax.get_policy("weights=f32")
+  with pytest.raises(ValueError, match="not a policy spec"):
+    mpjax.get_policy(3)
+
+
+def test_auto_on_cpu_follows_bf16_dot_instructions(monkeypatch):
+  monkeypatch.setattr(policy_module, "_cpu_has_native_bf16_dot", lambda: True)
+  assert mpjax.get_policy("auto") == mpjax.get_policy("mixed_bf16")
+  monkeypatch.setattr(policy_module, "_cpu_has_native_bf16_dot", lambda: False)
+  assert mpjax.get_policy("auto") == mpjax.get_policy("fp32")
+
+
+@pytest.mark.parametrize("capability, expected", [("9.0", "mixed_bf16"), ("8.0", "mixed_bf16"),
+                                                  ("7.0", "mixed_fp16"), ("6.1", "fp32")])
+def test_auto_on_gpu_follows_compute_capability(monkeypatch, capability, expected):
+  class FakeGpu:
+    platform = "gpu"
+    compute_capability = capability
+
+  monkeypatch.setattr(policy_module.jax, "devices", lambda: [FakeGpu()])
+  assert mpjax.get_policy("auto") == mpjax.get_policy(expected)
+
+
+def test_env_var_overrides_every_spec_and_logs_once(monkeypatch, caplog):
+  policy_module._log_override_once.cache_clear()
+  monkeypatch.setenv("MPJAX_POLICY", "mixed_fp16")
+  with caplog.at_level(logging.WARNING, logger="mpjax"):
+    assert mpjax.get_policy("fp32") == mpjax.get_policy("mixed_fp16")
+    assert mpjax.get_policy(mpjax.get_policy("pure_bf16")).compute_dtype == jnp.float16
+  records = [r for r in caplog.records if "MPJAX_POLICY" in r.getMessage()]
+  assert len(records) == 1
+  assert "float16" in records[0].getMessage() and "preset 'mixed_fp16'" in records[0].getMessage()
+
+
+def test_env_var_with_typo_names_the_variable(monkeypatch):
+  monkeypatch.setenv("MPJAX_POLICY", "mixed_bf61")
+  with pytest.raises(ValueError, match="Environment variable MPJAX_POLICY.*Nearest preset"):
+    mpjax.get_policy("fp32")

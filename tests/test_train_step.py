@@ -1,0 +1,236 @@
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import mpjax
+
+
+class MLP(nn.Module):
+  """A Flax MLP with no dtype of its own: the step's casts decide its precision."""
+
+  features: tuple[int, ...] = (32, 32, 4)
+
+  @nn.compact
+  def __call__(self, x):
+    for i, width in enumerate(self.features):
+      x = nn.Dense(width)(x)
+      if i < len(self.features) - 1:
+        x = nn.gelu(x)
+    return x
+
+
+MODEL = MLP()
+
+
+def _batch(n=64, d=8, seed=0):
+  kx, ky = jax.random.split(jax.random.key(seed))
+  return {"x": jax.random.normal(kx, (n, d)), "y": jax.random.randint(ky, (n,), 0, 4)}
+
+
+def _params(d=8):
+  return MODEL.init(jax.random.key(1), jnp.ones((1, d)))
+
+
+def loss_fn(params, batch):
+  logits = MODEL.apply(params, batch["x"]).astype(jnp.float32)
+  return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+
+def _state(policy, tx=None, **kwargs):
+  return mpjax.TrainState.create(
+      apply_fn=MODEL.apply, params=_params(), tx=tx or optax.sgd(0.5), policy=policy, **kwargs
+  )
+
+
+def _host(tree):
+  return jax.tree.map(np.asarray, tree)
+
+
+def test_bf16_step_matches_f32_reference_and_keeps_f32_masters():
+  batch = _batch()
+  step = jax.jit(mpjax.make_train_step(loss_fn))
+  ref_state, ref_metrics = step(_state("fp32"), batch)
+  state, metrics = step(_state("mixed_bf16"), batch)
+  chex.assert_type(jax.tree.leaves(state.params), jnp.float32)
+  chex.assert_type(jax.tree.leaves(state.opt_state), jnp.float32)
+  chex.assert_type([metrics["loss"], metrics["grad_norm"]], jnp.float32)
+  # The update (new - old) agrees with the f32 update within bf16 tolerance.
+  old = _params()
+  ref_update = jax.tree.map(jnp.subtract, ref_state.params, old)
+  update = jax.tree.map(jnp.subtract, state.params, old)
+  for u, r in zip(jax.tree.leaves(update), jax.tree.leaves(ref_update)):
+    assert float(jnp.linalg.norm(u - r) / jnp.linalg.norm(r)) < 3e-2
+  np.testing.assert_allclose(metrics["loss"], ref_metrics["loss"], rtol=1e-2)
+  assert not np.array_equal(metrics["loss"], ref_metrics["loss"])  # it did run in bf16
+
+
+def test_fp32_policy_matches_a_plain_optax_step():
+  batch, params, tx = _batch(), _params(), optax.adam(1e-2)
+
+  @jax.jit
+  def plain(params, opt_state):
+    loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  p, o, loss = plain(params, tx.init(params))
+  state, metrics = jax.jit(mpjax.make_train_step(loss_fn))(_state("fp32", tx), batch)
+  chex.assert_trees_all_close(state.params, p, rtol=1e-6, atol=1e-7)
+  chex.assert_trees_all_close(state.opt_state, o, rtol=1e-6, atol=1e-7)
+  np.testing.assert_allclose(metrics["loss"], loss, rtol=1e-6)
+
+
+def test_module_without_dtype_computes_in_the_compute_dtype():
+  seen = []
+
+  def recording_loss(params, batch):
+    logits = MODEL.apply(params, batch["x"])
+    seen.append((logits.dtype, batch["x"].dtype, batch["y"].dtype))
+    return optax.softmax_cross_entropy_with_integer_labels(
+        logits.astype(jnp.float32), batch["y"]).mean()
+
+  jax.jit(mpjax.make_train_step(recording_loss))(_state("mixed_bf16"), _batch())
+  assert seen[-1] == (jnp.bfloat16, jnp.bfloat16, jnp.int32)  # labels untouched
+  jax.jit(mpjax.make_train_step(recording_loss, cast_batch=False))(_state("mixed_bf16"), _batch())
+  assert seen[-1][1] == jnp.float32
+
+
+def test_policy_change_recompiles_with_new_dtypes():
+  seen = []
+
+  def recording_loss(params, batch):
+    seen.append(jax.tree.leaves(params)[0].dtype)
+    return loss_fn(params, batch)
+
+  step = jax.jit(mpjax.make_train_step(recording_loss), donate_argnums=0)
+  batch = _batch()
+  for policy in ("mixed_bf16", "fp32", "mixed_fp16"):
+    state, _ = step(_state(policy), batch)
+  assert seen == [jnp.bfloat16, jnp.float32, jnp.float16]
+  hlo_bf16 = step.lower(_state("mixed_bf16"), batch).as_text()
+  hlo_f32 = step.lower(_state("fp32"), batch).as_text()
+  assert "bf16" in hlo_bf16 and "bf16" not in hlo_f32
+
+
+def test_inf_in_one_batch_skips_the_step_bit_identically():
+  batch = _batch()
+  state = _state("mixed_fp16", optax.adam(1e-2))
+  step = jax.jit(mpjax.make_train_step(loss_fn), donate_argnums=0)
+  for _ in range(2):
+    state, metrics = step(state, batch)
+  assert bool(metrics["grads_finite"])
+  before = _host((state.params, state.opt_state, state.step))
+  scale_before = float(state.loss_scale.loss_scale)
+  poisoned = dict(batch, x=batch["x"].at[5, 3].set(jnp.inf))
+  state, metrics = step(state, poisoned)
+  assert not bool(metrics["grads_finite"])
+  chex.assert_trees_all_equal(_host((state.params, state.opt_state, state.step)), before)
+  assert float(state.loss_scale.loss_scale) == scale_before / 2
+  assert int(state.skipped_steps) == 1 and int(state.step) == 2
+  state, metrics = step(state, batch)  # and training goes on
+  assert bool(metrics["grads_finite"]) and int(state.step) == 3
+
+
+def test_fp16_underflow_needs_loss_scaling():
+  """Gradients of ~1e-7 underflow fp16 unless the loss is scaled."""
+  batch = _batch()
+
+  def tiny_loss(params, batch):
+    return 1e-7 * loss_fn(params, batch)
+
+  def train(loss_scale, policy="mixed_fp16"):
+    state = _state(policy, optax.adam(1e-2), loss_scale=loss_scale)
+    step = jax.jit(mpjax.make_train_step(tiny_loss), donate_argnums=0)
+    start = jax.tree.map(np.array, state.params)
+    for _ in range(30):
+      state, metrics = step(state, batch)
+    return start, state, float(loss_fn(state.params, batch))
+
+  initial = float(loss_fn(_params(), batch))
+  start, state, final = train(mpjax.NoOpLossScale())
+  chex.assert_trees_all_equal(_host(state.params), start)  # every gradient was zero
+  assert final == pytest.approx(initial, rel=1e-6)
+  _, state, final = train(mpjax.DynamicLossScale())
+  _, _, reference = train(None, policy="fp32")
+  assert final < 0.9 * initial
+  assert final == pytest.approx(reference, rel=0.02)  # learns as fp32 does
+  assert int(state.skipped_steps) == 0
+
+
+def test_aux_and_clipping():
+  def loss_with_aux(params, batch):
+    return loss_fn(params, batch), {"n": batch["y"].shape[0]}
+
+  state, metrics = jax.jit(mpjax.make_train_step(loss_with_aux, max_grad_norm=1e-3))(
+      _state("fp32"), _batch())
+  assert int(metrics["aux"]["n"]) == 64
+  update_norm = optax.tree.norm(jax.tree.map(jnp.subtract, state.params, _params()))
+  assert float(metrics["grad_norm"]) > 1e-2
+  np.testing.assert_allclose(update_norm, 0.5 * 1e-3, rtol=1e-3)  # sgd(0.5) x clipped norm
+
+
+def test_step_runs_eagerly_and_keeps_callers_params_under_donation():
+  params = _params()
+  state = mpjax.TrainState.create(apply_fn=MODEL.apply, params=params, tx=optax.sgd(0.1),
+                                  policy="fp32")
+  step = mpjax.make_train_step(loss_fn)
+  eager_state, _ = step(state, _batch())
+  jitted_state, _ = jax.jit(step, donate_argnums=0)(state, _batch())
+  chex.assert_trees_all_close(eager_state.params, jitted_state.params, rtol=1e-5, atol=1e-7)
+  jax.tree.map(np.asarray, params)  # the caller's arrays were not donated away
+
+
+def test_default_loss_scale_follows_the_policy():
+  assert isinstance(_state("mixed_fp16").loss_scale, mpjax.DynamicLossScale)
+  assert float(_state("mixed_fp16").loss_scale.loss_scale) == 2.0**15
+  assert isinstance(_state("mixed_bf16").loss_scale, mpjax.NoOpLossScale)
+  assert isinstance(_state("fp32").loss_scale, mpjax.NoOpLossScale)
+  state = _state("mixed_bf16", loss_scale=mpjax.StaticLossScale(8.0))
+  assert float(state.loss_scale.loss_scale) == 8.0
+
+
+def test_pure_bf16_keeps_bf16_params_and_state_dtypes():
+  step = jax.jit(mpjax.make_train_step(loss_fn), donate_argnums=0)
+  state = _state("pure_bf16", optax.adam(1e-3))
+  for _ in range(2):
+    state, _ = step(state, _batch())
+  chex.assert_type(jax.tree.leaves(state.params), jnp.bfloat16)
+
+
+def test_env_var_switches_the_state_policy(monkeypatch):
+  monkeypatch.setenv("MPJAX_POLICY", "mixed_fp16")
+  state = _state("fp32")
+  assert state.policy.compute_dtype == jnp.float16
+  assert isinstance(state.loss_scale, mpjax.DynamicLossScale)
+
+
+def test_non_scalar_loss_is_named():
+  def per_example(params, batch):
+    return MODEL.apply(params, batch["x"]).sum(-1)
+
+  with pytest.raises(ValueError, match=r"shape \(64,\).*jnp.mean"):
+    jax.jit(mpjax.make_train_step(per_example))(_state("fp32"), _batch())
+  with pytest.raises(ValueError, match="3 items"):
+    jax.jit(mpjax.make_train_step(lambda p, b: (1.0, 2.0, 3.0)))(_state("fp32"), _batch())
+
+
+def test_bad_construction_input_is_named():
+  with pytest.raises(ValueError, match="no floating-point leaf"):
+    mpjax.TrainState.create(apply_fn=MODEL.apply, params={"step": jnp.arange(3)},
+                            tx=optax.sgd(0.1))
+  with pytest.raises(ValueError, match="Nearest preset: 'mixed_bf16'"):
+    _state("mixed_bf61")
+  with pytest.raises(TypeError, match="optax.GradientTransformation"):
+    _state("fp32", tx="adam")
+  with pytest.raises(TypeError, match="loss_scale must be"):
+    _state("fp32", loss_scale=2.0**15)
+  with pytest.raises(ValueError, match="max_grad_norm"):
+    mpjax.make_train_step(loss_fn, max_grad_norm=0.0)
+  with pytest.raises(TypeError, match="loss_fn must be a function"):
+    mpjax.make_train_step("loss")
+  with pytest.raises(TypeError, match="mpjax.TrainState"):
+    mpjax.make_train_step(loss_fn)({"params": _params()}, _batch())
