@@ -54,20 +54,138 @@ def trees_bit_identical(a, b):
   lb, tb = jax.tree.flatten(b)
   if ta != tb or len(la) != len(lb):
     return False
-  for x, y in zip(la, lb):
+  for x, y in zip(la, lb, strict=True):
     x, y = np.asarray(x), np.asarray(y)
     if x.dtype != y.dtype or x.shape != y.shape or x.tobytes() != y.tobytes():
       return False
   return True
 
 
-def max_abs_diff(a, b):
-  diffs = jax.tree.map(
-      lambda x, y: float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64)))),
-      a,
-      b,
+def leaves_as_lists(tree):
+  return [np.asarray(leaf).tolist() for leaf in jax.tree.leaves(tree)]
+
+
+def per_device_trees_agree(stacked_tree, reference=None):
+  """Whether each device's slice of a stacked tree is bitwise device 0's (or ``reference``)."""
+  for i, stack in enumerate(jax.tree.leaves(stacked_tree)):
+    stack = np.asarray(stack)
+    ref = stack[0] if reference is None else np.asarray(jax.tree.leaves(reference)[i])
+    if any(
+      stack[d].dtype != ref.dtype or stack[d].tobytes() != ref.tobytes() for d in range(N_DEVICES)
+    ):
+      return False
+  return True
+
+
+def run_shard_map(mesh, replicated, fresh_state, clean_batch, bad_batch, check_vma):
+  """The train step with ``axis_name="data"`` under ``jax.shard_map``."""
+  r = {}
+  sm_train_step = mpjax.make_train_step(loss_fn, axis_name="data")
+
+  def body(state, batch):
+    new_state, metrics = sm_train_step(state, batch)
+    per_device = {
+      "grads_finite": metrics["grads_finite"][None],
+      "loss_scale": new_state.loss_scale.loss_scale[None],
+      "step": new_state.step[None],
+      "params": jax.tree.map(lambda p: p[None], new_state.params),
+      "opt_state": jax.tree.map(lambda p: p[None], new_state.opt_state),
+    }
+    return new_state, metrics, per_device
+
+  sm_step = jax.jit(
+    jax.shard_map(
+      body,
+      mesh=mesh,
+      in_specs=(P(), P("data")),
+      out_specs=(P(), P(), P("data")),
+      check_vma=check_vma,
+    ),
+    donate_argnums=0,
   )
-  return max(jax.tree.leaves(diffs))
+
+  # At the default fp16 start (2**15) one device's local gradients overflow in
+  # fp16 on clean data (a mean over 8 examples cancels less than one over 64;
+  # with this seed it is device 2). Every device must take the same decision.
+  _, m, pd = sm_step(jax.device_put(fresh_state(), replicated), clean_batch)
+  r["default_scale_grads_finite"] = bool(m["grads_finite"])
+  r["default_scale_per_device_grads_finite"] = [bool(v) for v in np.asarray(pd["grads_finite"])]
+  r["default_scale_per_device_loss_scale"] = [float(v) for v in np.asarray(pd["loss_scale"])]
+  r["default_scale_per_device_step"] = [int(v) for v in np.asarray(pd["step"])]
+  r["default_scale_per_device_state_agrees"] = per_device_trees_agree(
+    (pd["params"], pd["opt_state"])
+  )
+
+  # A clean step at 2**10, to compare with the plain-jit reference.
+  new_state, m, pd = sm_step(
+    jax.device_put(fresh_state(mpjax.DynamicLossScale(2.0**10)), replicated), clean_batch
+  )
+  r["clean_grads_finite"] = bool(m["grads_finite"])
+  r["clean_per_device_grads_finite"] = [bool(v) for v in np.asarray(pd["grads_finite"])]
+  r["clean_step"] = int(new_state.step)
+  r["clean_loss"] = float(m["loss"])
+  r["clean_grad_norm"] = float(m["grad_norm"])
+  r["clean_params"] = leaves_as_lists(new_state.params)
+  r["clean_opt_state"] = leaves_as_lists(new_state.opt_state)
+  r["clean_per_device_state_agrees"] = per_device_trees_agree((pd["params"], pd["opt_state"]))
+
+  # The poisoned batch, from a fresh state with an explicit 2**10 scale.
+  state0 = jax.device_put(fresh_state(mpjax.DynamicLossScale(2.0**10)), replicated)
+  before = {"params": to_numpy(state0.params), "opt_state": to_numpy(state0.opt_state)}
+  r["loss_scale_before"] = float(state0.loss_scale.loss_scale)
+  new_state, m, pd = sm_step(state0, bad_batch)
+  r["bad_grads_finite"] = bool(m["grads_finite"])
+  r["bad_per_device_grads_finite"] = [bool(v) for v in np.asarray(pd["grads_finite"])]
+  r["bad_per_device_loss_scale"] = [float(v) for v in np.asarray(pd["loss_scale"])]
+  r["bad_per_device_step"] = [int(v) for v in np.asarray(pd["step"])]
+  r["bad_per_device_params_identical"] = per_device_trees_agree(pd["params"], before["params"])
+  r["bad_per_device_opt_state_identical"] = per_device_trees_agree(
+    pd["opt_state"], before["opt_state"]
+  )
+  r["bad_params_identical"] = trees_bit_identical(new_state.params, before["params"])
+  r["bad_opt_state_identical"] = trees_bit_identical(new_state.opt_state, before["opt_state"])
+  r["bad_step"] = int(new_state.step)
+  r["bad_skipped"] = int(new_state.skipped_steps)
+  r["bad_loss_scale"] = float(new_state.loss_scale.loss_scale)
+  return r
+
+
+def run_pmap_step(fresh_state, x, y, x_bad):
+  """The train step with ``axis_name="data"`` under ``jax.pmap`` (state stacked per device)."""
+  r = {}
+
+  def stack(tree):
+    return jax.tree.map(lambda leaf: jnp.stack([np.asarray(leaf)] * N_DEVICES), tree)
+
+  def split(a):
+    return a.reshape(N_DEVICES, PER_DEVICE, *a.shape[1:])
+
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    pstep = jax.pmap(mpjax.make_train_step(loss_fn, axis_name="data"), axis_name="data")
+    new_state, m = pstep(
+      stack(fresh_state(mpjax.DynamicLossScale(2.0**10))), {"x": split(x), "y": split(y)}
+    )
+    r["clean_per_device_grads_finite"] = [bool(v) for v in np.asarray(m["grads_finite"])]
+    r["clean_per_device_step"] = [int(v) for v in np.asarray(new_state.step)]
+    r["clean_loss"] = float(m["loss"][0])
+    r["clean_grad_norm"] = float(m["grad_norm"][0])
+    r["clean_per_device_state_agrees"] = per_device_trees_agree(
+      (new_state.params, new_state.opt_state)
+    )
+    first = jax.tree.map(lambda a: a[0], new_state)
+    r["clean_params"] = leaves_as_lists(first.params)
+    r["clean_opt_state"] = leaves_as_lists(first.opt_state)
+
+    state0 = stack(fresh_state(mpjax.DynamicLossScale(2.0**10)))
+    before = to_numpy(state0.params)
+    new_state, m = pstep(state0, {"x": split(x_bad), "y": split(y)})
+    r["bad_per_device_grads_finite"] = [bool(v) for v in np.asarray(m["grads_finite"])]
+    r["bad_per_device_loss_scale"] = [float(v) for v in np.asarray(new_state.loss_scale.loss_scale)]
+    r["bad_per_device_step"] = [int(v) for v in np.asarray(new_state.step)]
+    r["bad_params_identical"] = trees_bit_identical(new_state.params, before)
+  r["warnings"] = sorted({f"{w.category.__name__}: {w.message}" for w in caught})
+  return r
 
 
 def main():
@@ -83,11 +201,11 @@ def main():
 
   def fresh_state(loss_scale=None):
     return mpjax.TrainState.create(
-        apply_fn=MODEL.apply,
-        params=jax.tree.map(jnp.asarray, init_params),
-        tx=optax.adam(1e-2),
-        policy="mixed_fp16",
-        loss_scale=loss_scale,
+      apply_fn=MODEL.apply,
+      params=jax.tree.map(jnp.asarray, init_params),
+      tx=optax.adam(1e-2),
+      policy="mixed_fp16",
+      loss_scale=loss_scale,
     )
 
   mesh = jax.make_mesh((N_DEVICES,), ("data",))
@@ -99,14 +217,14 @@ def main():
   # ---- a. plain jit with NamedSharding data parallelism (no axis_name) -------
   a = {}
   a["bad_shard_row_starts"] = sorted(
-      int(s.index[0].start or 0)
-      for s in bad_batch["x"].addressable_shards
-      if not np.isfinite(np.asarray(s.data)).all()
+    int(s.index[0].start or 0)
+    for s in bad_batch["x"].addressable_shards
+    if not np.isfinite(np.asarray(s.data)).all()
   )
   a["bad_shard_device_ids"] = sorted(
-      s.device.id
-      for s in bad_batch["x"].addressable_shards
-      if not np.isfinite(np.asarray(s.data)).all()
+    s.device.id
+    for s in bad_batch["x"].addressable_shards
+    if not np.isfinite(np.asarray(s.data)).all()
   )
   a["n_batch_shards"] = len(bad_batch["x"].addressable_shards)
 
@@ -119,23 +237,21 @@ def main():
   a["clean_grads_finite"] = bool(m1["grads_finite"])
   a["clean_loss"] = float(m1["loss"])
   a["clean_grad_norm"] = float(m1["grad_norm"])
-  a["clean_loss_is_finite"] = bool(np.isfinite(float(m1["loss"])))
   a["clean_step"] = int(state1.step)
   a["clean_skipped"] = int(state1.skipped_steps)
   a["clean_loss_scale"] = float(state1.loss_scale.loss_scale)
   a["clean_counter"] = int(state1.loss_scale.counter)
   a["clean_params_changed"] = not trees_bit_identical(state1.params, init_params)
-  clean_jit_params = to_numpy(state1.params)
   a["params_sharding_replicated"] = all(
-      leaf.sharding.is_fully_replicated for leaf in jax.tree.leaves(state1.params)
+    leaf.sharding.is_fully_replicated for leaf in jax.tree.leaves(state1.params)
   )
 
   before = {
-      "params": to_numpy(state1.params),
-      "opt_state": to_numpy(state1.opt_state),
-      "step": int(state1.step),
-      "skipped": int(state1.skipped_steps),
-      "loss_scale": float(state1.loss_scale.loss_scale),
+    "params": to_numpy(state1.params),
+    "opt_state": to_numpy(state1.opt_state),
+    "step": int(state1.step),
+    "skipped": int(state1.skipped_steps),
+    "loss_scale": float(state1.loss_scale.loss_scale),
   }
   state2, m2 = step(state1, bad_batch)
   a["donated_input_deleted"] = bool(jax.tree.leaves(state1.params)[0].is_deleted())
@@ -154,9 +270,11 @@ def main():
   a["bad_loss_scale_shard_values"] = [float(np.asarray(s.data)) for s in scale_shards]
   a["bad_loss_scale_shard_devices"] = sorted(s.device.id for s in scale_shards)
   a["bad_params_shard_identical"] = all(
-      np.asarray(s.data).tobytes() == np.asarray(leaf_before).tobytes()
-      for leaf, leaf_before in zip(jax.tree.leaves(state2.params), jax.tree.leaves(before["params"]))
-      for s in leaf.addressable_shards
+    np.asarray(s.data).tobytes() == np.asarray(leaf_before).tobytes()
+    for leaf, leaf_before in zip(
+      jax.tree.leaves(state2.params), jax.tree.leaves(before["params"]), strict=True
+    )
+    for s in leaf.addressable_shards
   )
   # A clean step after the skip trains again, from the kept params, at the halved scale.
   state3, m3 = step(state2, clean_batch)
@@ -166,82 +284,41 @@ def main():
   a["recover_skipped"] = int(state3.skipped_steps)
   results["jit"] = a
 
-  # ---- b. shard_map with axis_name="data" -------------------------------------
-  b = {}
-  sm_train_step = mpjax.make_train_step(loss_fn, axis_name="data")
-
-  def sm_body(state, batch):
-    new_state, metrics = sm_train_step(state, batch)
-    per_device = {
-        "grads_finite": metrics["grads_finite"][None],
-        "loss_scale": new_state.loss_scale.loss_scale[None],
-        "step": new_state.step[None],
-        "params": jax.tree.map(lambda p: p[None], new_state.params),
-    }
-    return new_state, metrics, per_device
-
-  sm_step = jax.jit(
-      jax.shard_map(
-          sm_body,
-          mesh=mesh,
-          in_specs=(P(), P("data")),
-          out_specs=(P(), P(), P("data")),
-      ),
-      donate_argnums=0,
+  # A clean step at 2**10 (finite on every device, whatever the parallelism)
+  # under plain jit: the reference the shard_map and pmap steps must match.
+  ref_state, ref_m = step(
+    jax.device_put(fresh_state(mpjax.DynamicLossScale(2.0**10)), replicated), clean_batch
   )
-
-  # Clean step from the same initial state as the plain-jit clean step.
-  sm_state1, sm_m1, sm_pd1 = sm_step(jax.device_put(fresh_state(), replicated), clean_batch)
-  b["clean_grads_finite"] = bool(sm_m1["grads_finite"])
-  b["clean_per_device_grads_finite"] = [bool(v) for v in np.asarray(sm_pd1["grads_finite"])]
-  b["clean_step"] = int(sm_state1.step)
-  b["clean_loss"] = float(sm_m1["loss"])
-  b["clean_grad_norm"] = float(sm_m1["grad_norm"])
-  b["clean_params_max_abs_diff_vs_jit"] = max_abs_diff(sm_state1.params, clean_jit_params)
-  b["clean_params_changed"] = not trees_bit_identical(sm_state1.params, init_params)
-  b["clean_per_device_params_agree"] = all(
-      all(np.array_equal(stack[i], stack[0]) for i in range(N_DEVICES))
-      for stack in (np.asarray(v) for v in jax.tree.leaves(sm_pd1["params"]))
-  )
-
-  # Poisoned step, with an explicit dynamic loss scale.
-  sm_state0 = jax.device_put(fresh_state(mpjax.DynamicLossScale(2.0**10)), replicated)
-  sm_before = {
-      "params": to_numpy(sm_state0.params),
-      "opt_state": to_numpy(sm_state0.opt_state),
-      "loss_scale": float(sm_state0.loss_scale.loss_scale),
+  results["jit_ref"] = {
+    "grads_finite": bool(ref_m["grads_finite"]),
+    "step": int(ref_state.step),
+    "loss": float(ref_m["loss"]),
+    "grad_norm": float(ref_m["grad_norm"]),
+    "params": leaves_as_lists(ref_state.params),
+    "opt_state": leaves_as_lists(ref_state.opt_state),
+    "initial_params": leaves_as_lists(init_params),
   }
-  sm_state2, sm_m2, sm_pd2 = sm_step(sm_state0, bad_batch)
-  b["loss_scale_before"] = sm_before["loss_scale"]
-  b["bad_grads_finite"] = bool(sm_m2["grads_finite"])
-  b["bad_per_device_grads_finite"] = [bool(v) for v in np.asarray(sm_pd2["grads_finite"])]
-  b["bad_per_device_loss_scale"] = [float(v) for v in np.asarray(sm_pd2["loss_scale"])]
-  b["bad_per_device_step"] = [int(v) for v in np.asarray(sm_pd2["step"])]
-  b["bad_per_device_params_identical"] = all(
-      all(np.asarray(stack[i]).tobytes() == np.asarray(ref).tobytes() for i in range(N_DEVICES))
-      for stack, ref in zip(
-          (np.asarray(v) for v in jax.tree.leaves(sm_pd2["params"])),
-          jax.tree.leaves(sm_before["params"]),
-      )
-  )
-  b["bad_params_identical"] = trees_bit_identical(sm_state2.params, sm_before["params"])
-  b["bad_opt_state_identical"] = trees_bit_identical(sm_state2.opt_state, sm_before["opt_state"])
-  b["bad_step"] = int(sm_state2.step)
-  b["bad_skipped"] = int(sm_state2.skipped_steps)
-  b["bad_loss_scale"] = float(sm_state2.loss_scale.loss_scale)
-  results["shard_map"] = b
+
+  # ---- b. shard_map with axis_name="data" -------------------------------------
+  for check_vma in (True, False):
+    results[f"shard_map_check_vma_{check_vma}"] = run_shard_map(
+      mesh, replicated, fresh_state, clean_batch, bad_batch, check_vma
+    )
+
+  # ---- b'. pmap of the train step with axis_name="data" -----------------------
+  results["pmap_step"] = run_pmap_step(fresh_state, x, y, x_bad)
 
   # ---- c. all_finite inside shard_map -----------------------------------------
   c = {}
 
   def finite_body(tree):
     return (
-        mpjax.all_finite(tree, axis_name="data")[None],
-        mpjax.all_finite(tree)[None],
+      mpjax.all_finite(tree, axis_name="data")[None],
+      mpjax.all_finite(tree)[None],
     )
 
   finite_fn = jax.jit(
-      jax.shard_map(finite_body, mesh=mesh, in_specs=P("data"), out_specs=(P("data"), P("data")))
+    jax.shard_map(finite_body, mesh=mesh, in_specs=P("data"), out_specs=(P("data"), P("data")))
   )
   v_clean = np.arange(N_DEVICES * 4, dtype=np.float32)
   labels = np.arange(N_DEVICES * 4, dtype=np.int32)
@@ -258,7 +335,7 @@ def main():
   # ---- d. pmap of DynamicLossScale.adjust -------------------------------------
   d = {}
   ls = mpjax.DynamicLossScale(
-      2.0**10, counter=1, period=2, factor=2, min_loss_scale=512.0, max_loss_scale=2.0**20
+    2.0**10, counter=1, period=2, factor=2, min_loss_scale=512.0, max_loss_scale=2.0**20
   )
   stacked = jax.tree.map(lambda leaf: jnp.stack([leaf] * N_DEVICES), ls)
   flags = np.array([True, False, True, True, False, False, True, False])
@@ -273,15 +350,13 @@ def main():
   d["loss_scale"] = [float(v) for v in np.asarray(out.loss_scale)]
   d["counter"] = [int(v) for v in np.asarray(out.counter)]
   d["overflow_counter"] = [int(v) for v in np.asarray(out.overflow_counter)]
-  d["dtypes"] = [
-      str(out.loss_scale.dtype), str(out.counter.dtype), str(out.overflow_counter.dtype)
-  ]
+  d["dtypes"] = [str(out.loss_scale.dtype), str(out.counter.dtype), str(out.overflow_counter.dtype)]
   d["static"] = {
-      "period": out.period,
-      "factor": out.factor,
-      "min_loss_scale": out.min_loss_scale,
-      "max_loss_scale": out.max_loss_scale,
-      "hysteresis": out.hysteresis,
+    "period": out.period,
+    "factor": out.factor,
+    "min_loss_scale": out.min_loss_scale,
+    "max_loss_scale": out.max_loss_scale,
+    "hysteresis": out.hysteresis,
   }
   d["twice_loss_scale"] = [float(v) for v in np.asarray(out_twice.loss_scale)]
   d["twice_counter"] = [int(v) for v in np.asarray(out_twice.counter)]

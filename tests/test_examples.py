@@ -1,0 +1,47 @@
+"""The README's quickstart and the example script run as a user would run them."""
+
+import importlib.util
+import pathlib
+import re
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def test_readme_quickstart_runs(capsys):
+  readme = (ROOT / "README.md").read_text()
+  quickstart = readme.split("## Quickstart", 1)[1]
+  code = re.search(r"```python\n(.*?)```", quickstart, re.S).group(1)
+  namespace: dict = {}
+  exec(compile(code, "README.md quickstart", "exec"), namespace)
+  state, metrics = namespace["state"], namespace["metrics"]
+  assert int(state.step) == 1 and bool(metrics["grads_finite"])
+  assert float(metrics["loss_scale"]) == 2.0**15
+  assert capsys.readouterr().out.strip()
+
+
+def _example():
+  spec = importlib.util.spec_from_file_location("train_example", ROOT / "scripts/train_example.py")
+  module = importlib.util.module_from_spec(spec)
+  sys.modules[spec.name] = module  # Flax modules are dataclasses: their module must be importable
+  spec.loader.exec_module(module)
+  return module
+
+
+@pytest.mark.parametrize("policy", ["mixed_bf16", "mixed_fp16"])
+def test_example_script_learns(policy, capsys):
+  summary = _example().main(["--policy", policy, "--steps", "120", "--log_every", "60"])
+  out = capsys.readouterr().out
+  assert "loss_scale" in out and "skipped" in out
+  assert summary["test_accuracy"] > 0.6  # 10 classes: chance is 0.1
+  assert summary["skipped_steps"] <= 2
+
+
+def test_example_script_underflow_without_loss_scaling(capsys):
+  args = ["--policy", "mixed_fp16", "--steps", "60", "--log_every", "60", "--loss_multiplier",
+          "1e-6", "--max_grad_norm", "0"]
+  unscaled = _example().main([*args, "--loss_scale", "none"])
+  scaled = _example().main([*args, "--loss_scale", "dynamic"])
+  assert unscaled["test_accuracy"] < 0.2 and scaled["test_accuracy"] > 0.5
