@@ -5,7 +5,9 @@ import ml_collections
 
 def get_config() -> ml_collections.ConfigDict:
   config = ml_collections.ConfigDict()
-  config.policy = "mixed_bf16"  # precision policy, anything mpjax.get_policy reads; MPJAX_POLICY overrides
+  config.policy = (
+    "mixed_bf16"  # precision policy, anything mpjax.get_policy reads; MPJAX_POLICY overrides
+  )
   config.loss_scale = "default"  # "default" (dynamic for fp16, none otherwise), "dynamic", "none"
   config.steps = 300  # training steps
   config.batch_size = 128  # examples per step

@@ -16,16 +16,16 @@ from mpjax.train_step import make_train_step as make_train_step
 __version__ = "0.1.0"
 
 __all__ = [
-    "DynamicLossScale",
-    "LossScale",
-    "NoOpLossScale",
-    "POLICY_ENV_VAR",
-    "PRESETS",
-    "Policy",
-    "StaticLossScale",
-    "TrainState",
-    "all_finite",
-    "get_policy",
-    "make_train_step",
-    "select_tree",
+  "DynamicLossScale",
+  "LossScale",
+  "NoOpLossScale",
+  "POLICY_ENV_VAR",
+  "PRESETS",
+  "Policy",
+  "StaticLossScale",
+  "TrainState",
+  "all_finite",
+  "get_policy",
+  "make_train_step",
+  "select_tree",
 ]

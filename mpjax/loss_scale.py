@@ -24,12 +24,12 @@ from jax import lax
 from mpjax._dtypes import is_floating
 
 __all__ = [
-    "LossScale",
-    "NoOpLossScale",
-    "StaticLossScale",
-    "DynamicLossScale",
-    "all_finite",
-    "select_tree",
+  "LossScale",
+  "NoOpLossScale",
+  "StaticLossScale",
+  "DynamicLossScale",
+  "all_finite",
+  "select_tree",
 ]
 
 T = TypeVar("T")
@@ -197,17 +197,17 @@ class DynamicLossScale(struct.PyTreeNode):
       fail(f"max_loss_scale={self.max_loss_scale!r} must be finite in float32", "e.g. 2.0**24")
     if self.min_loss_scale > self.max_loss_scale:
       fail(
-          f"min_loss_scale={self.min_loss_scale!r} > max_loss_scale={self.max_loss_scale!r}",
-          "make min_loss_scale <= max_loss_scale",
+        f"min_loss_scale={self.min_loss_scale!r} > max_loss_scale={self.max_loss_scale!r}",
+        "make min_loss_scale <= max_loss_scale",
       )
     scale = self.loss_scale
     if isinstance(scale, (int, float)) and not (
-        self.min_loss_scale <= scale <= self.max_loss_scale
+      self.min_loss_scale <= scale <= self.max_loss_scale
     ):
       fail(
-          f"loss_scale={scale!r} is outside [min_loss_scale, max_loss_scale] = "
-          f"[{self.min_loss_scale}, {self.max_loss_scale}]",
-          "start inside the bounds (the default start is 2.0**15)",
+        f"loss_scale={scale!r} is outside [min_loss_scale, max_loss_scale] = "
+        f"[{self.min_loss_scale}, {self.max_loss_scale}]",
+        "start inside the bounds (the default start is 2.0**15)",
       )
 
   def scale(self, tree: T) -> T:
@@ -237,9 +237,9 @@ class DynamicLossScale(struct.PyTreeNode):
     shrunk = jnp.maximum(self.loss_scale / factor, jnp.float32(self.min_loss_scale))
     loss_scale = jnp.where(grow, grown, jnp.where(shrink, shrunk, self.loss_scale))
     return self.replace(
-        loss_scale=loss_scale,
-        counter=jnp.where(grow, 0, counter).astype(jnp.int32),
-        overflow_counter=overflow_counter.astype(jnp.int32),
+      loss_scale=loss_scale,
+      counter=jnp.where(grow, 0, counter).astype(jnp.int32),
+      overflow_counter=overflow_counter.astype(jnp.int32),
     )
 
 
@@ -294,13 +294,15 @@ def select_tree(pred: jax.typing.ArrayLike, on_true: T, on_false: T) -> T:
   """
   pred = jnp.asarray(pred)
   if pred.shape != () or pred.dtype != jnp.bool_:
-    raise ValueError(f"select_tree: pred must be a scalar bool, got {pred.dtype}{list(pred.shape)}.")
+    raise ValueError(
+      f"select_tree: pred must be a scalar bool, got {pred.dtype}{list(pred.shape)}."
+    )
   true_leaves, true_def = jax.tree.flatten(on_true)
   false_leaves, false_def = jax.tree.flatten(on_false)
   if true_def != false_def:
     raise ValueError(
-        f"select_tree: on_true and on_false differ in structure:\n{true_def}\nvs\n{false_def}"
+      f"select_tree: on_true and on_false differ in structure:\n{true_def}\nvs\n{false_def}"
     )
   return jax.tree.unflatten(
-      true_def, [lax.select(pred, a, b) for a, b in zip(true_leaves, false_leaves)]
+    true_def, [lax.select(pred, a, b) for a, b in zip(true_leaves, false_leaves, strict=True)]
   )

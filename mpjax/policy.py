@@ -60,12 +60,12 @@ def _canonical_dtype(value: Any, field: str) -> np.dtype:
     dtype = np.dtype(jnp.dtype(value))
   except TypeError as e:
     raise ValueError(
-        f"Policy {field}={value!r} is not a dtype; use jnp.float32, jnp.bfloat16 or jnp.float16."
+      f"Policy {field}={value!r} is not a dtype; use jnp.float32, jnp.bfloat16 or jnp.float16."
     ) from e
   if not jnp.issubdtype(dtype, jnp.floating):
     raise ValueError(
-        f"Policy {field}={dtype.name} is not a floating dtype; use jnp.float32, "
-        "jnp.bfloat16 or jnp.float16."
+      f"Policy {field}={dtype.name} is not a floating dtype; use jnp.float32, "
+      "jnp.bfloat16 or jnp.float16."
     )
   return dtype
 
@@ -118,8 +118,8 @@ class Policy:
 
   def __repr__(self) -> str:
     return (
-        f"Policy(param_dtype={self.param_dtype.name}, "
-        f"compute_dtype={self.compute_dtype.name}, output_dtype={self.output_dtype.name})"
+      f"Policy(param_dtype={self.param_dtype.name}, "
+      f"compute_dtype={self.compute_dtype.name}, output_dtype={self.output_dtype.name})"
     )
 
   __str__ = __repr__
@@ -128,30 +128,36 @@ class Policy:
 _F32, _BF16, _F16 = np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16)
 
 PRESETS: dict[str, Policy] = {
-    "fp32": Policy(_F32, _F32, _F32),
-    "mixed_bf16": Policy(_F32, _BF16, _F32),
-    "mixed_fp16": Policy(_F32, _F16, _F32),
-    "pure_bf16": Policy(_BF16, _BF16, _BF16),
+  "fp32": Policy(_F32, _F32, _F32),
+  "mixed_bf16": Policy(_F32, _BF16, _F32),
+  "mixed_fp16": Policy(_F32, _F16, _F32),
+  "pure_bf16": Policy(_BF16, _BF16, _BF16),
 }
 """The named policies; ``"auto"`` picks one of them for the running backend."""
 
 _DTYPE_NAMES = {
-    "bf16": _BF16,
-    "bfloat16": _BF16,
-    "f16": _F16,
-    "fp16": _F16,
-    "float16": _F16,
-    "f32": _F32,
-    "fp32": _F32,
-    "float32": _F32,
-    "full": _F32,
-    "single": _F32,
-    "f64": np.dtype(np.float64),
-    "float64": np.dtype(np.float64),
-    "double": np.dtype(np.float64),
+  "bf16": _BF16,
+  "bfloat16": _BF16,
+  "f16": _F16,
+  "fp16": _F16,
+  "float16": _F16,
+  "f32": _F32,
+  "fp32": _F32,
+  "float32": _F32,
+  "full": _F32,
+  "single": _F32,
+  "f64": np.dtype(np.float64),
+  "float64": np.dtype(np.float64),
+  "double": np.dtype(np.float64),
 }
-_KEYS = {"p": "param", "params": "param", "c": "compute", "compute": "compute",
-         "o": "output", "output": "output"}
+_KEYS = {
+  "p": "param",
+  "params": "param",
+  "c": "compute",
+  "compute": "compute",
+  "o": "output",
+  "output": "output",
+}
 
 
 def _cpu_has_native_bf16_dot() -> bool:
@@ -178,8 +184,12 @@ def _auto_policy() -> tuple[Policy, str]:
     if major >= 8:
       return PRESETS["mixed_bf16"], f"GPU of compute capability {capability}: bf16 Tensor Cores"
     if major == 7:
-      return PRESETS["mixed_fp16"], f"GPU of compute capability {capability}: fp16 Tensor Cores only"
-    return PRESETS["fp32"], f"GPU of compute capability {capability}: no half-precision Tensor Cores"
+      return PRESETS[
+        "mixed_fp16"
+      ], f"GPU of compute capability {capability}: fp16 Tensor Cores only"
+    return PRESETS[
+      "fp32"
+    ], f"GPU of compute capability {capability}: no half-precision Tensor Cores"
   if device.platform == "cpu" and _cpu_has_native_bf16_dot():
     return PRESETS["mixed_bf16"], "CPU with native bf16 dot instructions (AVX512-BF16/AMX)"
   return PRESETS["fp32"], f"{device.platform} without native bf16 dot instructions"
@@ -202,11 +212,11 @@ def _spec_error(spec: Any, problem: str) -> ValueError:
   names = [*PRESETS, "auto"]
   nearest = difflib.get_close_matches(str(spec).strip().lower(), names, n=1, cutoff=0.0)
   return ValueError(
-      f"Cannot read precision policy {spec!r}: {problem}. Accepted forms: a preset "
-      f"({', '.join(repr(n) for n in names)}); jmp's grammar such as "
-      "'params=float32,compute=bfloat16,output=float32', 'p=f32,c=bf16' or a single dtype "
-      "('half', 'full', 'bf16', 'f16', 'f32'); a jmp.Policy; or an mpjax.Policy. "
-      f"Nearest preset: {nearest[0]!r}."
+    f"Cannot read precision policy {spec!r}: {problem}. Accepted forms: a preset "
+    f"({', '.join(repr(n) for n in names)}); jmp's grammar such as "
+    "'params=float32,compute=bfloat16,output=float32', 'p=f32,c=bf16' or a single dtype "
+    "('half', 'full', 'bf16', 'f16', 'f32'); a jmp.Policy; or an mpjax.Policy. "
+    f"Nearest preset: {nearest[0]!r}."
   )
 
 
@@ -245,11 +255,14 @@ def _resolve(spec: Any) -> tuple[Policy, str]:
   raise _spec_error(spec, f"a {type(spec).__name__} is not a policy spec")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _log_override_once(env_value: str, policy: Policy, why: str) -> None:
   _log.warning(
-      "%s=%r is set: every policy resolved from a spec is %s (%s), whatever the code asks for.",
-      POLICY_ENV_VAR, env_value, policy, why,
+    "%s=%r is set: every policy resolved from a spec is %s (%s), whatever the code asks for.",
+    POLICY_ENV_VAR,
+    env_value,
+    policy,
+    why,
   )
 
 

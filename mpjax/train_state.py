@@ -68,13 +68,13 @@ class TrainState(struct.PyTreeNode):
 
   @classmethod
   def create(
-      cls,
-      *,
-      apply_fn: Callable[..., Any],
-      params: Any,
-      tx: optax.GradientTransformation,
-      policy: Policy | str | Any = "mixed_bf16",
-      loss_scale: LossScale | None = None,
+    cls,
+    *,
+    apply_fn: Callable[..., Any],
+    params: Any,
+    tx: optax.GradientTransformation,
+    policy: Policy | str | Any = "mixed_bf16",
+    loss_scale: LossScale | None = None,
   ) -> TrainState:
     """Builds a state with step 0 and the optimizer initialised on the master params.
 
@@ -99,35 +99,35 @@ class TrainState(struct.PyTreeNode):
     policy = get_policy(policy)
     if not isinstance(tx, optax.GradientTransformation):
       raise TypeError(
-          f"TrainState.create: tx must be an optax.GradientTransformation such as "
-          f"optax.adam(1e-3), got {type(tx).__name__}."
+        f"TrainState.create: tx must be an optax.GradientTransformation such as "
+        f"optax.adam(1e-3), got {type(tx).__name__}."
       )
     if loss_scale is None:
       loss_scale = default_loss_scale(policy)
     elif not isinstance(loss_scale, _LOSS_SCALE_TYPES):
       raise TypeError(
-          "TrainState.create: loss_scale must be mpjax.NoOpLossScale(), "
-          "mpjax.StaticLossScale(scale), mpjax.DynamicLossScale() or None (the policy's "
-          f"default), got {type(loss_scale).__name__}."
+        "TrainState.create: loss_scale must be mpjax.NoOpLossScale(), "
+        "mpjax.StaticLossScale(scale), mpjax.DynamicLossScale() or None (the policy's "
+        f"default), got {type(loss_scale).__name__}."
       )
     leaves = jax.tree.leaves(params)
     if not any(is_floating(x) for x in leaves):
       raise ValueError(
-          "TrainState.create: params has no floating-point leaf to train "
-          f"({len(leaves)} leaves, none float). Pass the model's parameters, e.g. "
-          "model.init(rng, x), not its config or an empty tree."
+        "TrainState.create: params has no floating-point leaf to train "
+        f"({len(leaves)} leaves, none float). Pass the model's parameters, e.g. "
+        "model.init(rng, x), not its config or an empty tree."
       )
     # The state owns its buffers: donating it to a jitted step must not delete
     # the arrays the caller passed in.
     params = jax.tree.map(_own, policy.cast_to_param(params), params)
     loss_scale = jax.tree.map(lambda x: _own(x, x), loss_scale)
     return cls(
-        step=jnp.zeros((), jnp.int32),
-        params=params,
-        opt_state=tx.init(params),
-        loss_scale=loss_scale,
-        skipped_steps=jnp.zeros((), jnp.int32),
-        apply_fn=apply_fn,
-        tx=tx,
-        policy=policy,
+      step=jnp.zeros((), jnp.int32),
+      params=params,
+      opt_state=tx.init(params),
+      loss_scale=loss_scale,
+      skipped_steps=jnp.zeros((), jnp.int32),
+      apply_fn=apply_fn,
+      tx=tx,
+      policy=policy,
     )

@@ -25,8 +25,8 @@ def _split_loss(out: Any) -> tuple[jax.Array, Any]:
   if isinstance(out, (tuple, list)):
     if len(out) != 2:
       raise ValueError(
-          f"loss_fn returned a {type(out).__name__} of {len(out)} items; it must return a "
-          "scalar loss or a pair (loss, aux)."
+        f"loss_fn returned a {type(out).__name__} of {len(out)} items; it must return a "
+        "scalar loss or a pair (loss, aux)."
       )
     loss, aux = out
   else:
@@ -34,13 +34,13 @@ def _split_loss(out: Any) -> tuple[jax.Array, Any]:
   shape = getattr(loss, "shape", None)
   if shape != () or not is_floating(loss):
     kind = (
-        f"an array of shape {tuple(shape)} and dtype {loss.dtype}"
-        if shape is not None
-        else f"a {type(loss).__name__}"
+      f"an array of shape {tuple(shape)} and dtype {loss.dtype}"
+      if shape is not None
+      else f"a {type(loss).__name__}"
     )
     raise ValueError(
-        f"loss_fn must return a floating scalar loss (or (loss, aux)), but its loss is {kind}. "
-        "Reduce it to a scalar, e.g. return jnp.mean(per_example_loss)."
+      f"loss_fn must return a floating scalar loss (or (loss, aux)), but its loss is {kind}. "
+      "Reduce it to a scalar, e.g. return jnp.mean(per_example_loss)."
     )
   return loss, aux
 
@@ -51,11 +51,11 @@ def _like(new: Any, old: Any) -> Any:
 
 
 def make_train_step(
-    loss_fn: LossFn,
-    *,
-    axis_name: Hashable | Sequence[Hashable] | None = None,
-    max_grad_norm: float | None = None,
-    cast_batch: bool = True,
+  loss_fn: LossFn,
+  *,
+  axis_name: Hashable | Sequence[Hashable] | None = None,
+  max_grad_norm: float | None = None,
+  cast_batch: bool = True,
 ) -> StepFn:
   """Builds a pure mixed-precision training step ``step(state, batch) -> (state, metrics)``.
 
@@ -106,20 +106,19 @@ def make_train_step(
   """
   if not callable(loss_fn):
     raise TypeError(
-        f"make_train_step: loss_fn must be a function loss_fn(params, batch), got "
-        f"{type(loss_fn).__name__}."
+      f"make_train_step: loss_fn must be a function loss_fn(params, batch), got "
+      f"{type(loss_fn).__name__}."
     )
   if max_grad_norm is not None and not max_grad_norm > 0:
     raise ValueError(
-        f"make_train_step: max_grad_norm={max_grad_norm!r} must be positive, or None for no "
-        "clipping."
+      f"make_train_step: max_grad_norm={max_grad_norm!r} must be positive, or None for no clipping."
     )
 
   def step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
     if not isinstance(state, TrainState):
       raise TypeError(
-          f"train step: state must be an mpjax.TrainState (from TrainState.create), got "
-          f"{type(state).__name__}."
+        f"train step: state must be an mpjax.TrainState (from TrainState.create), got "
+        f"{type(state).__name__}."
       )
     policy, loss_scale = state.policy, state.loss_scale
     compute_batch = policy.cast_to_compute(batch) if cast_batch else batch
@@ -155,21 +154,21 @@ def make_train_step(
     # A conditional, not a select between two full copies of params and optimizer
     # state: a skipped step costs nothing and a finite one no extra pass.
     params, opt_state = lax.cond(
-        grads_finite, apply_update, keep, (state.params, state.opt_state, grads)
+      grads_finite, apply_update, keep, (state.params, state.opt_state, grads)
     )
     skipped = (~grads_finite).astype(jnp.int32)
     new_state = state.replace(
-        step=state.step + 1 - skipped,
-        params=params,
-        opt_state=opt_state,
-        loss_scale=loss_scale.adjust(grads_finite),
-        skipped_steps=state.skipped_steps + skipped,
+      step=state.step + 1 - skipped,
+      params=params,
+      opt_state=opt_state,
+      loss_scale=loss_scale.adjust(grads_finite),
+      skipped_steps=state.skipped_steps + skipped,
     )
     metrics = {
-        "loss": loss,
-        "grad_norm": grad_norm,
-        "loss_scale": loss_scale.loss_scale,
-        "grads_finite": grads_finite,
+      "loss": loss,
+      "grad_norm": grad_norm,
+      "loss_scale": loss_scale.loss_scale,
+      "grads_finite": grads_finite,
     }
     if aux is not None:
       metrics["aux"] = aux

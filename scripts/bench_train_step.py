@@ -51,8 +51,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
   model = MLP(tuple(sizes[1:]))
   kx, ky, kp = jax.random.split(jax.random.key(0), 3)
   batch = {
-      "x": jax.random.normal(kx, (args.batch, sizes[0])),
-      "y": jax.random.normal(ky, (args.batch, sizes[-1])),
+    "x": jax.random.normal(kx, (args.batch, sizes[0])),
+    "y": jax.random.normal(ky, (args.batch, sizes[-1])),
   }
   params = model.init(kp, batch["x"])
   tx = optax.adam(1e-4)
@@ -69,17 +69,17 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
   mpjax_step = mpjax.make_train_step(loss_fn)
   variants = {
-      "plain fp32": (
-          jax.jit(plain_step, donate_argnums=0),
-          lambda: jax.tree.map(jnp.copy, (params, tx.init(params))),
-      ),
+    "plain fp32": (
+      jax.jit(plain_step, donate_argnums=0),
+      lambda: jax.tree.map(jnp.copy, (params, tx.init(params))),
+    ),
   }
   for policy in ("fp32", "mixed_bf16", "mixed_fp16"):
     variants[f"mpjax {policy}"] = (
-        jax.jit(mpjax_step, donate_argnums=0),
-        lambda policy=policy: mpjax.TrainState.create(
-            apply_fn=model.apply, params=params, tx=tx, policy=policy
-        ),
+      jax.jit(mpjax_step, donate_argnums=0),
+      lambda policy=policy: mpjax.TrainState.create(
+        apply_fn=model.apply, params=params, tx=tx, policy=policy
+      ),
     )
 
   states = {}
@@ -100,7 +100,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
   medians = {name: statistics.median(t) for name, t in times.items()}
   base = medians["plain fp32"]
-  print(f"MLP {'-'.join(map(str, sizes))}, batch {args.batch}, Adam, {args.rounds} interleaved rounds")
+  print(
+    f"MLP {'-'.join(map(str, sizes))}, batch {args.batch}, Adam, {args.rounds} interleaved rounds"
+  )
   print(f"{'variant':<20} {'median ms':>10} {'vs plain fp32':>14}")
   for name, median in medians.items():
     print(f"{name:<20} {median * 1e3:>10.1f} {median / base:>13.3f}x")

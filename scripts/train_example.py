@@ -65,11 +65,17 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
   train, test = make_data(config)
   model = MLP(config.hidden_dim, config.num_classes)
   params = model.init(jax.random.key(config.seed + 1), train["x"][:1])
-  loss_scale = {"default": None, "dynamic": mpjax.DynamicLossScale(),
-                "none": mpjax.NoOpLossScale()}[config.loss_scale]
+  loss_scale = {
+    "default": None,
+    "dynamic": mpjax.DynamicLossScale(),
+    "none": mpjax.NoOpLossScale(),
+  }[config.loss_scale]
   state = mpjax.TrainState.create(
-      apply_fn=model.apply, params=params, tx=optax.adam(config.learning_rate),
-      policy=config.policy, loss_scale=loss_scale,
+    apply_fn=model.apply,
+    params=params,
+    tx=optax.adam(config.learning_rate),
+    policy=config.policy,
+    loss_scale=loss_scale,
   )
 
   def loss_fn(params, batch):
@@ -78,30 +84,30 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     return config.loss_multiplier * loss, jnp.mean(jnp.argmax(logits, -1) == batch["y"])
 
   step = jax.jit(
-      mpjax.make_train_step(loss_fn, max_grad_norm=config.max_grad_norm or None),
-      donate_argnums=0,
+    mpjax.make_train_step(loss_fn, max_grad_norm=config.max_grad_norm or None),
+    donate_argnums=0,
   )
   print(f"policy {state.policy}, loss scale {type(state.loss_scale).__name__}")
   batches_per_epoch = config.train_examples // config.batch_size
   start = time.perf_counter()
   for i in range(config.steps):
     lo = (i % batches_per_epoch) * config.batch_size
-    batch = jax.tree.map(lambda a: a[lo:lo + config.batch_size], train)
+    batch = jax.tree.map(lambda a, lo=lo: a[lo : lo + config.batch_size], train)
     state, metrics = step(state, batch)
     if (i + 1) % config.log_every == 0 or i + 1 == config.steps:
       print(
-          f"step {i + 1:5d}  loss {float(metrics['loss']) / config.loss_multiplier:.4f}  "
-          f"acc {float(metrics['aux']):.3f}  loss_scale {float(metrics['loss_scale']):.0f}  "
-          f"skipped {int(state.skipped_steps)}",
-          flush=True,
+        f"step {i + 1:5d}  loss {float(metrics['loss']) / config.loss_multiplier:.4f}  "
+        f"acc {float(metrics['aux']):.3f}  loss_scale {float(metrics['loss_scale']):.0f}  "
+        f"skipped {int(state.skipped_steps)}",
+        flush=True,
       )
   seconds = time.perf_counter() - start
   logits = model.apply(state.params, test["x"])
   summary = {
-      "test_accuracy": float(jnp.mean(jnp.argmax(logits, -1) == test["y"])),
-      "steps_per_second": config.steps / seconds,
-      "skipped_steps": int(state.skipped_steps),
-      "final_loss_scale": float(state.loss_scale.loss_scale),
+    "test_accuracy": float(jnp.mean(jnp.argmax(logits, -1) == test["y"])),
+    "steps_per_second": config.steps / seconds,
+    "skipped_steps": int(state.skipped_steps),
+    "final_loss_scale": float(state.loss_scale.loss_scale),
   }
   print("summary  " + "  ".join(f"{k} {v:.4g}" for k, v in summary.items()))
   return summary

@@ -40,8 +40,18 @@ def test_example_script_learns(policy, capsys):
 
 
 def test_example_script_underflow_without_loss_scaling(capsys):
-  args = ["--policy", "mixed_fp16", "--steps", "60", "--log_every", "60", "--loss_multiplier",
-          "1e-6", "--max_grad_norm", "0"]
+  args = [
+    "--policy",
+    "mixed_fp16",
+    "--steps",
+    "60",
+    "--log_every",
+    "60",
+    "--loss_multiplier",
+    "1e-6",
+    "--max_grad_norm",
+    "0",
+  ]
   unscaled = _example().main([*args, "--loss_scale", "none"])
   scaled = _example().main([*args, "--loss_scale", "dynamic"])
   assert unscaled["test_accuracy"] < 0.2 and scaled["test_accuracy"] > 0.5

@@ -32,11 +32,14 @@ def test_scale_is_f32_whatever_it_was_given():
 
 
 @pytest.mark.parametrize(
-    "ls", [mpjax.NoOpLossScale(), mpjax.StaticLossScale(2.0**10), mpjax.DynamicLossScale(2.0**10)]
+  "ls", [mpjax.NoOpLossScale(), mpjax.StaticLossScale(2.0**10), mpjax.DynamicLossScale(2.0**10)]
 )
 def test_scale_unscale_round_trip_in_f32(ls):
-  tree = {"g": jnp.full((3,), 0.5, jnp.float16), "b": jnp.full((2,), 3.0, jnp.bfloat16),
-          "n": jnp.arange(3)}
+  tree = {
+    "g": jnp.full((3,), 0.5, jnp.float16),
+    "b": jnp.full((2,), 3.0, jnp.bfloat16),
+    "n": jnp.arange(3),
+  }
   scaled = jax.jit(ls.scale)(tree)
   chex.assert_type(scaled["g"], jnp.float32)
   np.testing.assert_array_equal(scaled["g"], 0.5 * float(ls.loss_scale))
@@ -60,16 +63,21 @@ def test_growth_after_period_finite_steps():
 
 
 def test_overflow_resets_the_count_and_divides():
-  final, scales = _run(mpjax.DynamicLossScale(64.0, period=3), [True, True, False, True, True, True])
+  final, scales = _run(
+    mpjax.DynamicLossScale(64.0, period=3), [True, True, False, True, True, True]
+  )
   np.testing.assert_array_equal(scales, [64, 64, 32, 32, 32, 64])
 
 
 def test_growth_caps_at_max_and_never_reaches_inf():
-  final, scales = _run(mpjax.DynamicLossScale(2.0**14, period=1, max_loss_scale=2.0**16), [True] * 5)
+  final, scales = _run(
+    mpjax.DynamicLossScale(2.0**14, period=1, max_loss_scale=2.0**16), [True] * 5
+  )
   np.testing.assert_array_equal(scales, [2**15, 2**16, 2**16, 2**16, 2**16])
   f32_max = float(np.finfo(np.float32).max)
-  final, scales = _run(mpjax.DynamicLossScale(2.0**120, period=1, max_loss_scale=f32_max),
-                       [True] * 20)
+  final, scales = _run(
+    mpjax.DynamicLossScale(2.0**120, period=1, max_loss_scale=f32_max), [True] * 20
+  )
   assert np.all(np.isfinite(scales)) and float(scales[-1]) == f32_max
 
 
@@ -102,18 +110,18 @@ def test_adjust_under_vmap():
 
 
 @pytest.mark.parametrize(
-    "kwargs, match",
-    [
-        ({"factor": 1}, "factor=1 must be > 1"),
-        ({"factor": 0.5}, "factor"),
-        ({"period": 0}, "period=0 must be an integer >= 1"),
-        ({"period": 2.5}, "period"),
-        ({"hysteresis": 0}, "hysteresis"),
-        ({"min_loss_scale": 8.0, "max_loss_scale": 4.0, "loss_scale": 4.0}, "min_loss_scale=8.0 >"),
-        ({"min_loss_scale": 0.0}, "positive"),
-        ({"max_loss_scale": float("inf")}, "finite"),
-        ({"loss_scale": 2.0**30}, "outside"),
-    ],
+  "kwargs, match",
+  [
+    ({"factor": 1}, "factor=1 must be > 1"),
+    ({"factor": 0.5}, "factor"),
+    ({"period": 0}, "period=0 must be an integer >= 1"),
+    ({"period": 2.5}, "period"),
+    ({"hysteresis": 0}, "hysteresis"),
+    ({"min_loss_scale": 8.0, "max_loss_scale": 4.0, "loss_scale": 4.0}, "min_loss_scale=8.0 >"),
+    ({"min_loss_scale": 0.0}, "positive"),
+    ({"max_loss_scale": float("inf")}, "finite"),
+    ({"loss_scale": 2.0**30}, "outside"),
+  ],
 )
 def test_bad_dynamic_hyperparameters_fail_at_construction(kwargs, match):
   with pytest.raises(ValueError, match=match):

@@ -42,7 +42,7 @@ def loss_fn(params, batch):
 
 def _state(policy, tx=None, **kwargs):
   return mpjax.TrainState.create(
-      apply_fn=MODEL.apply, params=_params(), tx=tx or optax.sgd(0.5), policy=policy, **kwargs
+    apply_fn=MODEL.apply, params=_params(), tx=tx or optax.sgd(0.5), policy=policy, **kwargs
   )
 
 
@@ -62,7 +62,7 @@ def test_bf16_step_matches_f32_reference_and_keeps_f32_masters():
   old = _params()
   ref_update = jax.tree.map(jnp.subtract, ref_state.params, old)
   update = jax.tree.map(jnp.subtract, state.params, old)
-  for u, r in zip(jax.tree.leaves(update), jax.tree.leaves(ref_update)):
+  for u, r in zip(jax.tree.leaves(update), jax.tree.leaves(ref_update), strict=True):
     assert float(jnp.linalg.norm(u - r) / jnp.linalg.norm(r)) < 3e-2
   np.testing.assert_allclose(metrics["loss"], ref_metrics["loss"], rtol=1e-2)
   assert not np.array_equal(metrics["loss"], ref_metrics["loss"])  # it did run in bf16
@@ -91,7 +91,8 @@ def test_module_without_dtype_computes_in_the_compute_dtype():
     logits = MODEL.apply(params, batch["x"])
     seen.append((logits.dtype, batch["x"].dtype, batch["y"].dtype))
     return optax.softmax_cross_entropy_with_integer_labels(
-        logits.astype(jnp.float32), batch["y"]).mean()
+      logits.astype(jnp.float32), batch["y"]
+    ).mean()
 
   jax.jit(mpjax.make_train_step(recording_loss))(_state("mixed_bf16"), _batch())
   assert seen[-1] == (jnp.bfloat16, jnp.bfloat16, jnp.int32)  # labels untouched
@@ -166,7 +167,8 @@ def test_aux_and_clipping():
     return loss_fn(params, batch), {"n": batch["y"].shape[0]}
 
   state, metrics = jax.jit(mpjax.make_train_step(loss_with_aux, max_grad_norm=1e-3))(
-      _state("fp32"), _batch())
+    _state("fp32"), _batch()
+  )
   assert int(metrics["aux"]["n"]) == 64
   update_norm = optax.tree.norm(jax.tree.map(jnp.subtract, state.params, _params()))
   assert float(metrics["grad_norm"]) > 1e-2
@@ -175,8 +177,9 @@ def test_aux_and_clipping():
 
 def test_step_runs_eagerly_and_keeps_callers_params_under_donation():
   params = _params()
-  state = mpjax.TrainState.create(apply_fn=MODEL.apply, params=params, tx=optax.sgd(0.1),
-                                  policy="fp32")
+  state = mpjax.TrainState.create(
+    apply_fn=MODEL.apply, params=params, tx=optax.sgd(0.1), policy="fp32"
+  )
   step = mpjax.make_train_step(loss_fn)
   eager_state, _ = step(state, _batch())
   jitted_state, _ = jax.jit(step, donate_argnums=0)(state, _batch())
@@ -220,8 +223,7 @@ def test_non_scalar_loss_is_named():
 
 def test_bad_construction_input_is_named():
   with pytest.raises(ValueError, match="no floating-point leaf"):
-    mpjax.TrainState.create(apply_fn=MODEL.apply, params={"step": jnp.arange(3)},
-                            tx=optax.sgd(0.1))
+    mpjax.TrainState.create(apply_fn=MODEL.apply, params={"step": jnp.arange(3)}, tx=optax.sgd(0.1))
   with pytest.raises(ValueError, match="Nearest preset: 'mixed_bf16'"):
     _state("mixed_bf61")
   with pytest.raises(TypeError, match="optax.GradientTransformation"):
