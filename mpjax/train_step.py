@@ -50,6 +50,28 @@ def _like(new: Any, old: Any) -> Any:
   return jax.tree.map(lambda n, o: n.astype(o.dtype) if hasattr(o, "dtype") else n, new, old)
 
 
+def _as_varying(tree: Any, axis_name: Hashable | Sequence[Hashable]) -> Any:
+  """Marks ``tree`` as per-device over ``axis_name``, so ``jax.grad`` gives local gradients.
+
+  Under ``shard_map`` (which tracks what varies over each axis), the gradient
+  of a replicated value that meets sharded data is summed over the devices by
+  the transpose itself, in the compute dtype and on scaled values; the ``pmean``
+  that follows would then leave that sum unchanged. With the params marked as
+  varying, each device gets its own gradient and the ``pmean`` averages them in
+  f32. Under ``pmap`` and ``check_vma=False`` the cast changes nothing.
+  """
+  names = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+
+  def vary(x):
+    aval = jax.typeof(x)
+    manual = getattr(aval, "manual_axis_type", None)
+    varying = manual.varying if manual is not None else getattr(aval, "vma", frozenset())
+    missing = tuple(n for n in names if n not in varying)
+    return lax.pcast(x, missing, to="varying") if missing else x
+
+  return jax.tree.map(vary, tree)
+
+
 def make_train_step(
   loss_fn: LossFn,
   *,
@@ -128,7 +150,8 @@ def make_train_step(
       loss = loss.astype(jnp.float32)
       return loss_scale.scale(loss), (loss, aux)
 
-    grads, (loss, aux) = jax.grad(scaled_loss, has_aux=True)(state.params)
+    params = state.params if axis_name is None else _as_varying(state.params, axis_name)
+    grads, (loss, aux) = jax.grad(scaled_loss, has_aux=True)(params)
     grads = loss_scale.unscale(grads)
     if axis_name is not None:
       grads, loss = lax.pmean((grads, loss), axis_name)
