@@ -5,21 +5,27 @@ import pathlib
 import re
 import sys
 
+import chex
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
-def test_readme_quickstart_runs(capsys):
-  readme = (ROOT / "README.md").read_text()
-  quickstart = readme.split("## Quickstart", 1)[1]
-  code = re.search(r"```python\n(.*?)```", quickstart, re.S).group(1)
+def _readme_code(section: str) -> str:
+  text = (ROOT / "README.md").read_text().split(f"## {section}\n", 1)[1]
+  return re.search(r"```python\n(.*?)```", text, re.S).group(1)
+
+
+def test_readme_quickstart_and_checkpoint_run(capsys):
   namespace: dict = {}
-  exec(compile(code, "README.md quickstart", "exec"), namespace)
+  exec(compile(_readme_code("Quickstart"), "README.md quickstart", "exec"), namespace)
   state, metrics = namespace["state"], namespace["metrics"]
   assert int(state.step) == 1 and bool(metrics["grads_finite"])
   assert float(metrics["loss_scale"]) == 2.0**15
   assert capsys.readouterr().out.strip()
+  exec(compile(_readme_code("Checkpoints"), "README.md checkpoints", "exec"), namespace)
+  chex.assert_trees_all_equal(namespace["restored"].params, state.params)
+  assert float(namespace["restored"].loss_scale.loss_scale) == 2.0**15
 
 
 def _example():
