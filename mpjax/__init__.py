@@ -1,5 +1,6 @@
 """mpjax: functional mixed-precision training for JAX and Flax."""
 
+from mpjax.gemm import mixed_dot_general as mixed_dot_general
 from mpjax.loss_scale import DynamicLossScale as DynamicLossScale
 from mpjax.loss_scale import LossScale as LossScale
 from mpjax.loss_scale import NoOpLossScale as NoOpLossScale

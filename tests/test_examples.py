@@ -28,8 +28,8 @@ def test_readme_quickstart_and_checkpoint_run(capsys):
   assert float(namespace["restored"].loss_scale.loss_scale) == 2.0**15
 
 
-def _example():
-  spec = importlib.util.spec_from_file_location("train_example", ROOT / "scripts/train_example.py")
+def _script(name):
+  spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
   module = importlib.util.module_from_spec(spec)
   sys.modules[spec.name] = module  # Flax modules are dataclasses: their module must be importable
   spec.loader.exec_module(module)
@@ -38,7 +38,9 @@ def _example():
 
 @pytest.mark.parametrize("policy", ["mixed_bf16", "mixed_fp16"])
 def test_example_script_learns(policy, capsys):
-  summary = _example().main(["--policy", policy, "--steps", "120", "--log_every", "60"])
+  summary = _script("train_example").main(
+    ["--policy", policy, "--steps", "120", "--log_every", "60"]
+  )
   out = capsys.readouterr().out
   assert "loss_scale" in out and "skipped" in out
   assert summary["test_accuracy"] > 0.6  # 10 classes: chance is 0.1
@@ -58,6 +60,19 @@ def test_example_script_underflow_without_loss_scaling(capsys):
     "--max_grad_norm",
     "0",
   ]
-  unscaled = _example().main([*args, "--loss_scale", "none"])
-  scaled = _example().main([*args, "--loss_scale", "dynamic"])
+  unscaled = _script("train_example").main([*args, "--loss_scale", "none"])
+  scaled = _script("train_example").main([*args, "--loss_scale", "dynamic"])
   assert unscaled["test_accuracy"] < 0.2 and scaled["test_accuracy"] > 0.5
+
+
+def test_bench_script_runs_every_variant():
+  ratios = _script("bench_train_step").main(["--rounds", "2", "--sizes", "16,32,8", "--batch", "4"])
+  assert set(ratios) == {
+    "plain fp32",
+    "mpjax fp32",
+    "mpjax mixed_bf16",
+    "mpjax mixed_fp16",
+    "flax bf16",
+    "flax bf16 + mixed_dot",
+  }
+  assert ratios["plain fp32"] == 1.0
