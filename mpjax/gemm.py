@@ -7,8 +7,9 @@ latter still takes its backward GEMMs with an f32 cotangent, so they run in f32.
 :func:`mixed_dot_general` fixes both: every GEMM of the forward pass and of its
 gradient takes compute-dtype operands and accumulates in f32, the left operand
 is laid out with its contracting dimensions last (what the fast kernel needs),
-and only the original operands are kept for the backward pass (no low-precision
-copy of a weight is held).
+and the backward pass keeps the operands as they were given (an f32 weight is
+not copied to low precision here; a caller that casts it first, as Flax's
+``dtype=bfloat16`` modules do, hands in a copy that is kept).
 """
 
 from __future__ import annotations
