@@ -43,7 +43,7 @@ def _is_castable(x: Any) -> bool:
     return False
 
 
-def cast_floating(tree: T, dtype: DTypeLike) -> T:
+def _cast_floating(tree: T, dtype: DTypeLike) -> T:
   """Casts the f16/bf16/f32 array leaves of ``tree`` to ``dtype``; other leaves stay."""
   dtype = np.dtype(dtype)
 
@@ -102,15 +102,15 @@ class Policy:
 
   def cast_to_param(self, tree: T) -> T:
     """Casts the f16/bf16/f32 leaves of ``tree`` to ``param_dtype``."""
-    return cast_floating(tree, self.param_dtype)
+    return _cast_floating(tree, self.param_dtype)
 
   def cast_to_compute(self, tree: T) -> T:
     """Casts the f16/bf16/f32 leaves of ``tree`` to ``compute_dtype``."""
-    return cast_floating(tree, self.compute_dtype)
+    return _cast_floating(tree, self.compute_dtype)
 
   def cast_to_output(self, tree: T) -> T:
     """Casts the f16/bf16/f32 leaves of ``tree`` to ``output_dtype``."""
-    return cast_floating(tree, self.output_dtype)
+    return _cast_floating(tree, self.output_dtype)
 
   def with_output_dtype(self, output_dtype: DTypeLike) -> Policy:
     """Returns this policy with ``output_dtype`` replaced."""
