@@ -13,6 +13,8 @@ from mpjax.policy import Policy as Policy
 from mpjax.policy import get_policy as get_policy
 from mpjax.train_state import TrainState as TrainState
 from mpjax.train_step import make_train_step as make_train_step
+from mpjax.xla import configure_xla as configure_xla
+from mpjax.xla import pad_to_multiple as pad_to_multiple
 
 __version__ = "0.1.0"
 
