@@ -59,10 +59,35 @@ def _dot_f32(a: jax.Array, b: jax.Array, dimension_numbers: DimensionNumbers) ->
   return lax.dot_general(a, b, ((new_ac, bc), (new_ab, bb)), preferred_element_type=jnp.float32)
 
 
+def _dot_into(target_ndim, a, a_labels, b, b_labels, dims):
+  """``dot_general(a, b, dims)`` laid out as the operand whose dims the labels name.
+
+  ``a_labels``/``b_labels`` give, for each dim of ``a``/``b``, the target dim it
+  becomes (``None`` where it is contracted away). A dot's result is [batch dims
+  of ``a``, free dims of ``a``, free dims of ``b``], so the labels tell how to
+  transpose it. Returns ``(needs_transpose, compute)``.
+  """
+  (ac, bc), (ab, bb) = dims
+  labels = [a_labels[d] for d in ab + _free(a.ndim, ac, ab)]
+  labels += [b_labels[d] for d in _free(b.ndim, bc, bb)]
+  order = [labels.index(d) for d in range(target_ndim)]
+  needs_transpose = order != list(range(target_ndim))
+
+  def compute():
+    out = _dot_f32(a, b, dims)
+    return jnp.transpose(out, order) if needs_transpose else out
+
+  return needs_transpose, compute
+
+
 def _grad_dots(
   g: jax.Array, lhs: jax.Array, rhs: jax.Array, dimension_numbers: DimensionNumbers
 ) -> tuple[jax.Array, jax.Array]:
-  """The two GEMMs of a ``dot_general``'s gradient, each accumulated in f32."""
+  """The two GEMMs of a ``dot_general``'s gradient, each accumulated in f32.
+
+  Each can be taken with either operand on the left; the one whose result is
+  already in the operand's layout wins (no transpose of an f32 gradient).
+  """
   (lc, rc), (lb, rb) = (list(map(list, p)) for p in dimension_numbers)
   lf, rf = _free(lhs.ndim, lc, lb), _free(rhs.ndim, rc, rb)
   nb = len(lb)
@@ -70,55 +95,29 @@ def _grad_dots(
   g_lf = list(range(nb, nb + len(lf)))
   g_rf = list(range(nb + len(lf), g.ndim))
 
-  def best(candidates, ndim):
-    """The first candidate whose result needs no transpose, else the first."""
-    for operands, dims, position in candidates:
-      if [position(d) for d in range(ndim)] == list(range(ndim)):
-        return _dot_f32(*operands, dims)
-    operands, dims, position = candidates[0]
-    return jnp.transpose(_dot_f32(*operands, dims), [position(d) for d in range(ndim)])
+  def best(*candidates):
+    for needs_transpose, compute in candidates:
+      if not needs_transpose:
+        return compute()
+    return candidates[0][1]()
 
-  def lhs_pos_a(d):  # dot(g, rhs) -> [batch, lhs free, rc sorted]
-    if d in lb:
-      return lb.index(d)
-    if d in lf:
-      return nb + lf.index(d)
-    return nb + len(lf) + sorted(rc).index(rc[lc.index(d)])
-
-  def lhs_pos_b(d):  # dot(rhs, g) -> [batch, rc sorted, lhs free]
-    if d in lb:
-      return lb.index(d)
-    if d in lc:
-      return nb + sorted(rc).index(rc[lc.index(d)])
-    return nb + len(rc) + lf.index(d)
-
-  def rhs_pos_a(d):  # dot(lhs, g) -> [batch, lc sorted, rhs free]
-    if d in rb:
-      return rb.index(d)
-    if d in rc:
-      return nb + sorted(lc).index(lc[rc.index(d)])
-    return nb + len(lc) + rf.index(d)
-
-  def rhs_pos_b(d):  # dot(g, lhs) -> [batch, rhs free, lc sorted]
-    if d in rb:
-      return rb.index(d)
-    if d in rf:
-      return nb + rf.index(d)
-    return nb + len(rf) + sorted(lc).index(lc[rc.index(d)])
-
+  # d_lhs: contract g's rhs-free dims with rhs's free dims, batch with batch.
+  g_to_lhs = {**dict(zip(g_batch, lb, strict=True)), **dict(zip(g_lf, lf, strict=True))}
+  g_to_lhs = [g_to_lhs.get(d) for d in range(g.ndim)]
+  rhs_to_lhs = {**dict(zip(rb, lb, strict=True)), **dict(zip(rc, lc, strict=True))}
+  rhs_to_lhs = [rhs_to_lhs.get(d) for d in range(rhs.ndim)]
   d_lhs = best(
-    [
-      ((g, rhs), ((g_rf, rf), (g_batch, rb)), lhs_pos_a),
-      ((rhs, g), ((rf, g_rf), (rb, g_batch)), lhs_pos_b),
-    ],
-    lhs.ndim,
+    _dot_into(lhs.ndim, g, g_to_lhs, rhs, rhs_to_lhs, ((g_rf, rf), (g_batch, rb))),
+    _dot_into(lhs.ndim, rhs, rhs_to_lhs, g, g_to_lhs, ((rf, g_rf), (rb, g_batch))),
   )
+  # d_rhs: contract g's lhs-free dims with lhs's free dims, batch with batch.
+  g_to_rhs = {**dict(zip(g_batch, rb, strict=True)), **dict(zip(g_rf, rf, strict=True))}
+  g_to_rhs = [g_to_rhs.get(d) for d in range(g.ndim)]
+  lhs_to_rhs = {**dict(zip(lb, rb, strict=True)), **dict(zip(lc, rc, strict=True))}
+  lhs_to_rhs = [lhs_to_rhs.get(d) for d in range(lhs.ndim)]
   d_rhs = best(
-    [
-      ((lhs, g), ((lf, g_lf), (lb, g_batch)), rhs_pos_a),
-      ((g, lhs), ((g_lf, lf), (g_batch, lb)), rhs_pos_b),
-    ],
-    rhs.ndim,
+    _dot_into(rhs.ndim, lhs, lhs_to_rhs, g, g_to_rhs, ((lf, g_lf), (lb, g_batch))),
+    _dot_into(rhs.ndim, g, g_to_rhs, lhs, lhs_to_rhs, ((g_lf, lf), (g_batch, lb))),
   )
   return d_lhs, d_rhs
 

@@ -11,12 +11,10 @@ import optax
 from flax import struct
 
 from mpjax._dtypes import is_floating
-from mpjax.loss_scale import DynamicLossScale, LossScale, NoOpLossScale, StaticLossScale
+from mpjax.loss_scale import DynamicLossScale, LossScale, NoOpLossScale
 from mpjax.policy import Policy, get_policy
 
 __all__ = ["TrainState"]
-
-_LOSS_SCALE_TYPES = (NoOpLossScale, StaticLossScale, DynamicLossScale)
 
 
 def default_loss_scale(policy: Policy) -> LossScale:
@@ -104,7 +102,7 @@ class TrainState(struct.PyTreeNode):
       )
     if loss_scale is None:
       loss_scale = default_loss_scale(policy)
-    elif not isinstance(loss_scale, _LOSS_SCALE_TYPES):
+    elif not isinstance(loss_scale, LossScale):
       raise TypeError(
         "TrainState.create: loss_scale must be mpjax.NoOpLossScale(), "
         "mpjax.StaticLossScale(scale), mpjax.DynamicLossScale() or None (the policy's "

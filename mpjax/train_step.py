@@ -159,17 +159,15 @@ def make_train_step(
     # sum of squares is non-finite iff some gradient is inf/NaN (or the norm
     # itself overflows f32, > 1.8e19, a step no one wants applied either).
     grad_norm = optax.tree.norm(grads)
-    grads_finite = jnp.isfinite(grad_norm)
-    if axis_name is not None:
-      grads_finite = all_finite(grad_norm, axis_name=axis_name)
+    grads_finite = all_finite(grad_norm, axis_name=axis_name)
     if max_grad_norm is not None:
       grads = jax.tree.map(lambda g: g * jnp.minimum(1.0, max_grad_norm / grad_norm), grads)
 
     def apply_update(operands):
       params, opt_state, grads = operands
       updates, new_opt_state = state.tx.update(_like(grads, params), opt_state, params)
-      new_params = optax.apply_updates(params, updates)
-      return _like(new_params, params), _like(new_opt_state, opt_state)
+      # apply_updates keeps each param's dtype; optimizers may not keep theirs.
+      return optax.apply_updates(params, updates), _like(new_opt_state, opt_state)
 
     def keep(operands):
       return operands[0], operands[1]
