@@ -1,5 +1,9 @@
 """mpjax: functional mixed-precision training for JAX and Flax."""
 
+from mpjax.autocast import OP_CLASSES as OP_CLASSES
+from mpjax.autocast import AutocastReport as AutocastReport
+from mpjax.autocast import autocast as autocast
+from mpjax.autocast import autocast_report as autocast_report
 from mpjax.gemm import mixed_dot_general as mixed_dot_general
 from mpjax.loss_scale import DynamicLossScale as DynamicLossScale
 from mpjax.loss_scale import LossScale as LossScale
@@ -19,6 +23,10 @@ from mpjax.xla import pad_to_multiple as pad_to_multiple
 __version__ = "0.1.0"
 
 __all__ = [
+  "AutocastReport",
+  "OP_CLASSES",
+  "autocast",
+  "autocast_report",
   "DynamicLossScale",
   "LossScale",
   "NoOpLossScale",
@@ -30,5 +38,8 @@ __all__ = [
   "all_finite",
   "get_policy",
   "make_train_step",
+  "mixed_dot_general",
+  "configure_xla",
+  "pad_to_multiple",
   "select_tree",
 ]

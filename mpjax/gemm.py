@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax._src.lax import convolution as _conv
 from jax.typing import DTypeLike
 
 __all__ = ["mixed_dot_general"]
@@ -123,7 +124,8 @@ def _grad_dots(
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _mixed_dot(lhs, rhs, dimension_numbers, compute_dtype):
+def mixed_dot(lhs, rhs, dimension_numbers, compute_dtype):
+  """``dot_general`` with compute-dtype operands and f32 accumulation, forward and backward."""
   out = _dot_f32(lhs.astype(compute_dtype), rhs.astype(compute_dtype), dimension_numbers)
   return out.astype(compute_dtype)
 
@@ -131,7 +133,7 @@ def _mixed_dot(lhs, rhs, dimension_numbers, compute_dtype):
 def _mixed_dot_fwd(lhs, rhs, dimension_numbers, compute_dtype):
   # Keep the operands as they came: a weight stays its f32 self (alive anyway),
   # an activation is already in the compute dtype.
-  return _mixed_dot(lhs, rhs, dimension_numbers, compute_dtype), (lhs, rhs)
+  return mixed_dot(lhs, rhs, dimension_numbers, compute_dtype), (lhs, rhs)
 
 
 def _mixed_dot_bwd(dimension_numbers, compute_dtype, residuals, g):
@@ -145,7 +147,42 @@ def _mixed_dot_bwd(dimension_numbers, compute_dtype, residuals, g):
   return d_lhs.astype(lhs.dtype), d_rhs.astype(rhs.dtype)
 
 
-_mixed_dot.defvjp(_mixed_dot_fwd, _mixed_dot_bwd)
+mixed_dot.defvjp(_mixed_dot_fwd, _mixed_dot_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def mixed_conv(lhs, rhs, params, compute_dtype):
+  """``conv_general_dilated`` with compute-dtype operands and f32 accumulation, both ways.
+
+  ``params`` is the sorted ``(name, value)`` tuple of the convolution's other
+  parameters (strides, padding, dilations, dimension numbers, group counts).
+  """
+  out = lax.conv_general_dilated_p.bind(
+    lhs.astype(compute_dtype),
+    rhs.astype(compute_dtype),
+    **dict(params),
+    precision=None,
+    preferred_element_type=jnp.float32,
+  )
+  return out.astype(compute_dtype)
+
+
+def _mixed_conv_fwd(lhs, rhs, params, compute_dtype):
+  return mixed_conv(lhs, rhs, params, compute_dtype), (lhs, rhs)
+
+
+def _mixed_conv_bwd(params, compute_dtype, residuals, g):
+  # JAX's own transpose rules, given a compute-dtype cotangent: each casts the
+  # other operand to it, accumulates in f32 and returns the operand's own dtype.
+  lhs, rhs = residuals
+  g = g.astype(compute_dtype)
+  kw = dict(params, precision=None, preferred_element_type=jnp.float32)
+  d_lhs = _conv._conv_general_dilated_transpose_lhs(g, lhs, rhs.astype(compute_dtype), **kw)
+  d_rhs = _conv._conv_general_dilated_transpose_rhs(g, lhs.astype(compute_dtype), rhs, **kw)
+  return d_lhs, d_rhs
+
+
+mixed_conv.defvjp(_mixed_conv_fwd, _mixed_conv_bwd)
 
 
 def mixed_dot_general(compute_dtype: DTypeLike = jnp.bfloat16) -> Callable[..., jax.Array]:
@@ -196,6 +233,6 @@ def mixed_dot_general(compute_dtype: DTypeLike = jnp.bfloat16) -> Callable[..., 
       )
     (lc, rc), (lb, rb) = dimension_numbers
     dims = ((tuple(lc), tuple(rc)), (tuple(lb), tuple(rb)))
-    return _mixed_dot(jnp.asarray(lhs), jnp.asarray(rhs), dims, compute_dtype)
+    return mixed_dot(jnp.asarray(lhs), jnp.asarray(rhs), dims, compute_dtype)
 
   return dot_general

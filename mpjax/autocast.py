@@ -1,0 +1,742 @@
+"""Autocast: run each operation of any JAX function in the precision its class calls for.
+
+:func:`autocast` traces the function it wraps to a jaxpr and evaluates that
+jaxpr equation by equation, choosing each operation's dtypes from its class
+(what ``torch.autocast`` and TensorFlow's AMP graph rewrite do):
+
+- ``lower``: GEMMs and convolutions take compute-dtype operands, accumulate in
+  f32 (``preferred_element_type``) and return the compute dtype. The two GEMMs
+  (or convolutions) of each one's gradient do the same, and gradients with
+  respect to f32 operands come back f32.
+- ``fp32``: exp, log, pow, rsqrt, squares, reductions, cumulative sums, linear
+  algebra: inputs go up to f32. Softmax, log-softmax, logsumexp and norm
+  statistics are built from these, so they run in f32 too.
+- ``promote``: n-ary elementwise ops: the widest floating input wins. Constants
+  (literals and what is computed from them alone) and rank-0 values do not
+  promote, as Python scalars and 0-d tensors do not in PyTorch.
+- ``follow``: everything else that moves or compares values keeps the dtype of
+  its first floating input.
+- ``keep``: runs in the dtypes it was traced with. Unknown primitives are kept,
+  and autocast logs once which.
+
+A constant cast down to fp16 saturates at the largest finite value, so a
+``-1e9`` attention mask becomes ``-65504``, not ``-inf``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import fnmatch
+import functools
+import logging
+import math
+from collections import Counter, defaultdict
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.extend import core as jcore
+
+from mpjax.gemm import mixed_conv, mixed_dot
+from mpjax.policy import Policy, get_policy
+
+__all__ = ["autocast", "autocast_report", "AutocastReport", "OP_CLASSES"]
+
+_log = logging.getLogger("mpjax")
+
+CLASSES = ("lower", "fp32", "promote", "follow", "keep")
+LEVELS = ("full", "gemm_only")
+
+_F32 = np.dtype(jnp.float32)
+_CASTABLE = frozenset(np.dtype(d) for d in (jnp.float16, jnp.bfloat16, jnp.float32))
+
+_LOWER = ("dot_general", "conv_general_dilated")
+_FP32 = (
+  "exp exp2 expm1 log log1p pow integer_pow square rsqrt tan asin acos asinh acosh atanh "
+  "sinh cosh erf_inv lgamma digamma igamma igammac igamma_grad_a random_gamma_grad "
+  "polygamma zeta bessel_i0e bessel_i1e regularized_incomplete_beta "
+  "reduce_sum reduce_prod cumsum cumprod cumlogsumexp reduce_window_sum "
+  "cholesky triangular_solve lu qr eigh eig svd schur householder_product tridiagonal "
+  "tridiagonal_solve lu_pivots_to_permutation fft"
+).split()
+_PROMOTE = (
+  "add sub mul div max min atan2 rem nextafter select_n clamp concatenate "
+  "dynamic_update_slice add_any"
+).split()
+_FOLLOW = (
+  "reshape broadcast_in_dim transpose squeeze expand_dims slice dynamic_slice gather pad rev "
+  "copy copy_p reduce_precision convert_element_type stop_gradient optimization_barrier "
+  "reduce_max reduce_min argmax argmin reduce_and reduce_or reduce_xor cummax cummin "
+  "reduce_window_max reduce_window_min top_k sort "
+  "eq ne lt le gt ge is_finite not and or xor "
+  "abs neg sign floor ceil round tanh logistic erf erfc sqrt cbrt sin cos atan real imag "
+  "conj iota split sharding_constraint mesh_cast reshard pvary pcast psum pmax pmin "
+  "all_gather all_to_all ppermute psum_scatter axis_index"
+).split()
+# Primitives whose params hold a jaxpr typed for the traced dtypes, or whose
+# dtype is part of their meaning: they run as traced, silently.
+_KEEP = (
+  "bitcast_convert_type scatter scatter-add scatter_add scatter_mul scatter_min scatter_max "
+  "scatter_apply reduce reduce_window select_and_scatter_add select_and_gather_add "
+  "random_bits random_seed random_wrap random_unwrap random_fold_in random_split "
+  "threefry2x32 rng_bit_generator rng_uniform shift_left shift_right_logical "
+  "shift_right_arithmetic population_count clz debug_callback pure_callback io_callback "
+  "debug_print"
+).split()
+
+OP_CLASSES: Mapping[str, str] = {
+  **{p: "keep" for p in _KEEP},
+  **{p: "follow" for p in _FOLLOW},
+  **{p: "promote" for p in _PROMOTE},
+  **{p: "fp32" for p in _FP32},
+  **{p: "lower" for p in _LOWER},
+}
+"""The default class of each primitive autocast knows; ``rules`` can move any of them."""
+
+_ENTERED = frozenset(
+  "jit pjit closed_call core_call remat2 checkpoint custom_jvp_call custom_vjp_call cond "
+  "while scan shard_map".split()
+)
+# Ops that only move data: a weight seen through one is still that weight.
+_VIEWS = frozenset("reshape transpose broadcast_in_dim squeeze expand_dims slice".split())
+
+# How each value came about: from literals only; from the function's inputs
+# (or closed-over arrays) through views only; computed; or the result of a
+# lowered GEMM or convolution (through views only).
+_LIT, _INPUT, _ACT, _GEMM = 0, 1, 2, 3
+
+
+@dataclasses.dataclass(frozen=True)
+class _Rules:
+  classes: Mapping[str, str]
+  scopes: tuple[tuple[str, Policy], ...]
+
+
+def _parse_rules(rules: Mapping[str, str] | None) -> _Rules:
+  classes = dict(OP_CLASSES)
+  scopes = []
+  if rules is None:
+    return _Rules(classes, ())
+  if not isinstance(rules, Mapping):
+    raise TypeError(
+      f"autocast: rules must be a dict such as {{'tanh': 'fp32', '*/head*': 'fp32'}}, got "
+      f"{type(rules).__name__}."
+    )
+  for key, value in rules.items():
+    if not isinstance(key, str) or not isinstance(value, str | Policy):
+      raise TypeError(f"autocast: rule {key!r}: {value!r} must map a string to a string.")
+    if any(c in key for c in "*?[/"):
+      try:
+        scopes.append((key, get_policy(value)))
+      except ValueError as e:
+        raise ValueError(f"autocast: rule {key!r}: {value!r} names no policy. {e}") from None
+      continue
+    if key not in classes:
+      near = difflib.get_close_matches(key, list(classes), n=1)
+      hint = f" Did you mean {near[0]!r}?" if near else ""
+      raise ValueError(
+        f"autocast: rule {key!r} is neither a primitive autocast knows nor a name-stack "
+        f"pattern.{hint} A module pattern needs a wildcard or a '/', e.g. '*{key}*'; the known "
+        "primitives are the keys of mpjax.OP_CLASSES."
+      )
+    if value not in CLASSES:
+      near = difflib.get_close_matches(str(value), CLASSES, n=1)
+      hint = f" Did you mean {near[0]!r}?" if near else ""
+      raise ValueError(
+        f"autocast: rule {key!r}: {value!r} is not an op class; use one of "
+        f"{', '.join(map(repr, CLASSES))}.{hint}"
+      )
+    classes[key] = value
+  return _Rules(classes, tuple(scopes))
+
+
+@functools.cache
+def _warn_unknown(name: str) -> None:
+  _log.warning(
+    "autocast: primitive %r is not classified; it runs in the dtypes it was traced with. "
+    "Give it a class with rules={%r: 'follow'} (or 'fp32', 'promote', 'keep').",
+    name,
+    name,
+  )
+
+
+@dataclasses.dataclass
+class _Record:
+  path: str
+  primitive: str
+  op_class: str
+  dtype: str
+  flops: float
+  lowered: bool
+  count: float
+
+
+@dataclasses.dataclass(frozen=True)
+class _Ctx:
+  policy: Policy
+  rules: _Rules
+  level: str
+  records: list[_Record] | None = None
+  repeat: float = 1.0
+
+  def scaled(self, repeat: float) -> _Ctx:
+    return dataclasses.replace(self, repeat=self.repeat * repeat)
+
+
+def _is_float(dtype: Any) -> bool:
+  try:
+    return np.dtype(dtype) in _CASTABLE
+  except TypeError:
+    return False
+
+
+def _cast(x: Any, dtype: Any, kind: int = _ACT) -> Any:
+  """``x`` as ``dtype``; a constant saturates at the target's finite range."""
+  dtype = np.dtype(dtype)
+  if x.dtype == dtype:
+    return x
+  if kind == _LIT and jnp.finfo(dtype).max < jnp.finfo(x.dtype).max:
+    big = float(jnp.finfo(dtype).max)
+    x = jnp.clip(x, -big, big)
+  return lax.convert_element_type(x, dtype)
+
+
+def _widest(dtypes: Sequence[np.dtype]) -> np.dtype:
+  """The one dtype of ``dtypes``, or f32 where they differ (bf16 and fp16 meet in f32)."""
+  distinct = set(dtypes)
+  return distinct.pop() if len(distinct) == 1 else _F32
+
+
+def _bind(eqn: Any, invals: Sequence[Any], params: Mapping[str, Any] | None = None) -> list[Any]:
+  bind_params = eqn.primitive.get_bind_params(dict(params or eqn.params))
+  out = eqn.primitive.bind(*invals, **bind_params)
+  return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def _as_traced(eqn: Any, invals: Sequence[Any], kinds: Sequence[int]) -> list[Any]:
+  """The operands back in the dtypes they were traced with."""
+  return [
+    _cast(x, v.aval.dtype, k) if _is_float(v.aval.dtype) and x.dtype != v.aval.dtype else x
+    for x, v, k in zip(invals, eqn.invars, kinds, strict=True)
+  ]
+
+
+def _flops_dot(eqn: Any) -> float:
+  (lc, _), _ = eqn.params["dimension_numbers"]
+  lhs = eqn.invars[0].aval.shape
+  return 2.0 * math.prod(eqn.outvars[0].aval.shape) * math.prod(lhs[d] for d in lc)
+
+
+def _flops_conv(eqn: Any) -> float:
+  rhs = eqn.invars[1].aval.shape
+  spec = eqn.params["dimension_numbers"].rhs_spec  # (out feature, in feature, *spatial)
+  per_output = math.prod(rhs[d] for d in spec[1:])
+  return 2.0 * math.prod(eqn.outvars[0].aval.shape) * per_output / eqn.params["batch_group_count"]
+
+
+def _lower(ctx: _Ctx, eqn: Any, invals: list[Any], kinds: list[int], compute: np.dtype):
+  """A GEMM or convolution with compute-dtype operands and f32 accumulation, or ``None``."""
+  lhs_t, rhs_t = (v.aval.dtype for v in eqn.invars)
+  pet = eqn.params.get("preferred_element_type")
+  explicit = (
+    eqn.params.get("precision") is not None
+    or (pet is not None and np.dtype(pet) != np.dtype(lhs_t))
+    or lhs_t != rhs_t
+    or not _is_float(lhs_t)
+  )
+  if explicit:
+    return None
+  # A computed f32 operand is cast here, so that the backward pass keeps the
+  # compute-dtype copy; an input (a weight) goes in as it is and is cast inside,
+  # so no low-precision copy of it is kept.
+  ops = [x if k == _INPUT else _cast(x, compute, k) for x, k in zip(invals, kinds, strict=True)]
+  if eqn.primitive.name == "dot_general":
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    dims = ((tuple(lc), tuple(rc)), (tuple(lb), tuple(rb)))
+    out = mixed_dot(ops[0], ops[1], dims, compute)
+  else:
+    conv_params = {
+      k: v for k, v in eqn.params.items() if k not in ("precision", "preferred_element_type")
+    }
+    out = mixed_conv(ops[0], ops[1], tuple(sorted(conv_params.items())), compute)
+  if ctx.level == "gemm_only":
+    out = out.astype(eqn.outvars[0].aval.dtype)
+  return [out]
+
+
+def _run_class(
+  ctx: _Ctx, eqn: Any, cls: str, invals: list[Any], kinds: list[int], compute: np.dtype
+) -> list[Any]:
+  if cls == "lower":
+    out = _lower(ctx, eqn, invals, kinds, compute)
+    return out if out is not None else _bind(eqn, _as_traced(eqn, invals, kinds))
+  if cls == "keep":
+    return _bind(eqn, _as_traced(eqn, invals, kinds))
+  traced = [np.dtype(v.aval.dtype) if _is_float(v.aval.dtype) else None for v in eqn.invars]
+  invals = list(invals)
+  if cls == "fp32":
+    for i, t in enumerate(traced):
+      if t is not None:
+        invals[i] = _cast(invals[i], _F32, kinds[i])
+    return _bind(eqn, invals)
+  # promote / follow: operands traced in one dtype get one dtype again.
+  for group in {t for t in traced if t is not None}:
+    idx = [i for i, t in enumerate(traced) if t == group]
+    if cls == "follow":
+      target = invals[idx[0]].dtype
+    elif any(kinds[i] == _GEMM for i in idx) and all(kinds[i] != _ACT for i in idx):
+      # A GEMM's bias: the parameter joins the GEMM's result in its dtype, as
+      # in torch's linear(x, weight, bias).
+      target = next(invals[i].dtype for i in idx if kinds[i] == _GEMM)
+    else:
+      cands = [i for i in idx if kinds[i] != _LIT and invals[i].ndim > 0]
+      cands = cands or [i for i in idx if kinds[i] != _LIT] or idx
+      target = _widest([np.dtype(invals[i].dtype) for i in cands])
+    for i in idx:
+      invals[i] = _cast(invals[i], target, kinds[i])
+  return _bind(eqn, invals)
+
+
+def _scope(ctx: _Ctx, path: str) -> Policy:
+  for pattern, policy in ctx.rules.scopes:
+    if fnmatch.fnmatchcase(path, pattern):
+      return policy
+  return ctx.policy
+
+
+def _eval_jaxpr(
+  ctx: _Ctx,
+  jaxpr: Any,
+  consts: Sequence[Any],
+  args: Sequence[Any],
+  kinds: Sequence[int],
+  prefix: str = "",
+  const_kinds: Sequence[int] | None = None,
+) -> tuple[list[Any], list[int]]:
+  env: dict[Any, tuple[Any, int]] = {}
+
+  def read(v):
+    if isinstance(v, jcore.Literal):
+      return jnp.asarray(v.val, v.aval.dtype) if hasattr(v.aval, "dtype") else v.val, _LIT
+    return env[v]
+
+  const_kinds = const_kinds if const_kinds is not None else [_INPUT] * len(consts)
+  for v, x, k in zip(jaxpr.constvars, consts, const_kinds, strict=True):
+    env[v] = (x, k)
+  for v, x, k in zip(jaxpr.invars, args, kinds, strict=True):
+    env[v] = (x, k)
+
+  for eqn in jaxpr.eqns:
+    invals, in_kinds = zip(*map(read, eqn.invars), strict=True) if eqn.invars else ((), ())
+    invals, in_kinds = list(invals), list(in_kinds)
+    name = eqn.primitive.name
+    local = str(eqn.source_info.name_stack)
+    path = "/".join(p for p in (prefix, local) if p)
+    if name in _ENTERED:
+      outs = _enter(ctx, eqn, invals, in_kinds, path)
+      out_kind = _ACT
+    else:
+      policy = _scope(ctx, path)
+      compute = np.dtype(policy.compute_dtype)
+      cls = ctx.rules.classes.get(name)
+      if cls is None:
+        _warn_unknown(name)
+        cls = "keep"
+      if compute == _F32 or (ctx.level == "gemm_only" and cls != "lower"):
+        cls = "keep"
+      outs = _run_class(ctx, eqn, cls, invals, in_kinds, compute)
+      if all(k == _LIT for k in in_kinds):
+        out_kind = _LIT
+      elif name in _VIEWS and in_kinds[0] in (_INPUT, _GEMM):
+        out_kind = in_kinds[0]
+      elif cls == "lower" and compute != _F32:
+        out_kind = _GEMM
+      else:
+        out_kind = _ACT
+      if ctx.records is not None:
+        flops = 0.0
+        if name == "dot_general":
+          flops = _flops_dot(eqn)
+        elif name == "conv_general_dilated":
+          flops = _flops_conv(eqn)
+        out_dtype = next((o.dtype for o in outs if hasattr(o, "dtype")), None)
+        lowered = bool(flops) and any(
+          _is_float(x.dtype) and np.dtype(x.dtype).itemsize < 4 for x in invals
+        )
+        lowered = lowered or (cls == "lower" and flops > 0 and compute != _F32)
+        ctx.records.append(
+          _Record(path, name, cls, str(out_dtype), flops * ctx.repeat, lowered, ctx.repeat)
+        )
+    for v, x in zip(eqn.outvars, outs, strict=True):
+      if not isinstance(v, jcore.DropVar):
+        env[v] = (x, out_kind)
+
+  outs = [read(v) for v in jaxpr.outvars]
+  return [x for x, _ in outs], [k for _, k in outs]
+
+
+def _eval_closed(ctx, closed, args, kinds, prefix):
+  return _eval_jaxpr(ctx, closed.jaxpr, closed.consts, args, kinds, prefix)[0]
+
+
+def _to_dtypes(xs: Sequence[Any], avals: Sequence[Any]) -> list[Any]:
+  return [
+    _cast(x, a.dtype) if _is_float(a.dtype) and hasattr(x, "dtype") else x
+    for x, a in zip(xs, avals, strict=True)
+  ]
+
+
+def _enter(ctx: _Ctx, eqn: Any, invals: list[Any], kinds: list[int], path: str) -> list[Any]:
+  """Runs a higher-order primitive with autocast applied inside it."""
+  name, p = eqn.primitive.name, eqn.params
+  out_avals = [v.aval for v in eqn.outvars]
+
+  if name in ("jit", "pjit", "closed_call", "core_call"):
+    closed = p["jaxpr"] if "jaxpr" in p else p["call_jaxpr"]
+    return _eval_closed(ctx, closed, invals, kinds, path)
+
+  if name in ("remat2", "checkpoint"):
+
+    def body(*xs):
+      return _eval_jaxpr(ctx, p["jaxpr"], (), xs, kinds, path)[0]
+
+    return list(jax.checkpoint(body, prevent_cse=p["prevent_cse"], policy=p["policy"])(*invals))
+
+  if name == "cond":
+    branches = p["branches"]
+
+    def branch(closed):
+      return lambda *xs: _to_dtypes(_eval_closed(ctx, closed, xs, kinds[1:], path), out_avals)
+
+    return list(lax.switch(invals[0], [branch(b) for b in branches], *invals[1:]))
+
+  if name == "while":
+    cn, bn = p["cond_nconsts"], p["body_nconsts"]
+    cconsts, bconsts, init = invals[:cn], invals[cn : cn + bn], invals[cn + bn :]
+    ck, bk = kinds[:cn], kinds[cn : cn + bn]
+    carry_avals = p["body_jaxpr"].out_avals
+    n = len(init)
+
+    def cond_fun(carry):
+      out = _eval_closed(ctx, p["cond_jaxpr"], [*cconsts, *carry], [*ck, *[_ACT] * n], path)
+      return out[0]
+
+    def body_fun(carry):
+      out = _eval_closed(ctx, p["body_jaxpr"], [*bconsts, *carry], [*bk, *[_ACT] * n], path)
+      return tuple(_to_dtypes(out, carry_avals))
+
+    return list(lax.while_loop(cond_fun, body_fun, tuple(_to_dtypes(init, carry_avals))))
+
+  if name == "scan":
+    nc, ncarry, closed = p["num_consts"], p["num_carry"], p["jaxpr"]
+    consts, init, xs = invals[:nc], invals[nc : nc + ncarry], invals[nc + ncarry :]
+    xkinds = kinds[nc + ncarry :]
+    carry_avals = closed.out_avals[:ncarry]
+    inner = ctx.scaled(p["length"])
+
+    def scan_body(carry, x):
+      args = [*consts, *carry, *x]
+      ks = [*kinds[:nc], *[_ACT] * ncarry, *xkinds]
+      out = _eval_closed(inner, closed, args, ks, path)
+      return tuple(_to_dtypes(out[:ncarry], carry_avals)), tuple(out[ncarry:])
+
+    carry, ys = lax.scan(
+      scan_body,
+      tuple(_to_dtypes(init, carry_avals)),
+      tuple(xs),
+      length=p["length"],
+      reverse=p["reverse"],
+      unroll=p["unroll"],
+    )
+    return [*carry, *ys]
+
+  if name == "shard_map":
+
+    def body(*xs):
+      return _eval_jaxpr(ctx, p["jaxpr"], (), xs, kinds, path)[0]
+
+    mapped = jax.shard_map(
+      body,
+      mesh=p["mesh"],
+      in_specs=p["in_specs"],
+      out_specs=p["out_specs"],
+      check_vma=p["check_vma"],
+      axis_names=p["manual_axes"],
+    )
+    return list(mapped(*invals))
+
+  if name == "custom_jvp_call":
+    return _custom_jvp(ctx, eqn, invals, kinds, path)
+  return _custom_vjp(ctx, eqn, invals, kinds, path)
+
+
+def _struct(aval: Any, dtype: Any = None) -> jax.ShapeDtypeStruct:
+  return jax.ShapeDtypeStruct(aval.shape, aval.dtype if dtype is None else dtype)
+
+
+def _custom_jvp(ctx, eqn, invals, kinds, path):
+  """The primal and the user's JVP rule, both autocast; tangents follow their primals."""
+  call = eqn.params["call_jaxpr"]
+  in_avals = call.in_avals
+
+  def primal(*xs):
+    return _eval_closed(ctx, call, xs, kinds, path)
+
+  def rule(primals, tangents):
+    _, jvp = eqn.primitive.get_bind_params(dict(eqn.params))["subfuns"]
+    out_dtypes = [o.dtype for o in jax.eval_shape(primal, *primals)]
+    tangent_structs = [_struct(a, jcore.primal_dtype_to_tangent_dtype(a.dtype)) for a in in_avals]
+    jvp_jaxpr = jax.make_jaxpr(lambda *a: jvp.call_wrapped(*a))(
+      *map(_struct, in_avals), *tangent_structs
+    )
+    tkinds = [_ACT] * len(tangents)
+    outs = _eval_closed(ctx, jvp_jaxpr, [*primals, *tangents], [*kinds, *tkinds], path)
+    n = len(out_dtypes)
+    primal_out = [_cast(o, d) for o, d in zip(outs[:n], out_dtypes, strict=True)]
+    tangent_out = [
+      _cast(t, d) if _is_float(d) else t for t, d in zip(outs[n:], out_dtypes, strict=True)
+    ]
+    return primal_out, tangent_out
+
+  f = jax.custom_jvp(primal)
+  f.defjvp(rule)
+  return list(f(*invals))
+
+
+def _custom_vjp(ctx, eqn, invals, kinds, path):
+  """The primal autocast; under differentiation the user's fwd and bwd run as traced."""
+  call = eqn.params["call_jaxpr"]
+  in_avals = call.in_avals
+  in_dtypes = [x.dtype for x in invals]
+
+  def original(*xs):
+    return _bind(eqn, xs)
+
+  def primal(*xs):
+    return _eval_closed(ctx, call, xs, kinds, path)
+
+  def fwd(*xs):
+    out_dtypes = [o.dtype for o in jax.eval_shape(primal, *xs)]
+    outs, vjp_fn = jax.vjp(original, *_to_dtypes(xs, in_avals))
+    return [_cast(o, d) for o, d in zip(outs, out_dtypes, strict=True)], vjp_fn
+
+  def bwd(vjp_fn, cts):
+    cts = _to_dtypes(cts, call.out_avals)
+    grads = vjp_fn(list(cts))
+    return tuple(
+      _cast(g, d) if _is_float(d) and _is_float(g.dtype) else g
+      for g, d in zip(grads, in_dtypes, strict=True)
+    )
+
+  f = jax.custom_vjp(primal)
+  f.defvjp(fwd, bwd)
+  return list(f(*invals))
+
+
+def _is_array(x: Any) -> bool:
+  return isinstance(x, jax.Array | np.ndarray | np.generic)
+
+
+def _check(fn: Any, policy: Any, rules: Any, level: str) -> tuple[Policy, _Rules]:
+  if not callable(fn):
+    raise TypeError(f"autocast: fn must be callable, got {type(fn).__name__}.")
+  policy = get_policy(policy)
+  parsed = _parse_rules(rules)
+  if level not in LEVELS:
+    raise ValueError(f"autocast: level={level!r} is not one of {', '.join(map(repr, LEVELS))}.")
+  return policy, parsed
+
+
+def _run(ctx: _Ctx, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+  leaves, treedef = jax.tree.flatten((args, kwargs))
+  dynamic = [i for i, x in enumerate(leaves) if _is_array(x)]
+
+  def flat_fn(*xs):
+    full = list(leaves)
+    for i, x in zip(dynamic, xs, strict=True):
+      full[i] = x
+    a, k = jax.tree.unflatten(treedef, full)
+    return fn(*a, **k)
+
+  closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*(leaves[i] for i in dynamic))
+  out_leaves, out_tree = jax.tree.flatten(out_shape)
+  outs, _ = _eval_jaxpr(
+    ctx, closed.jaxpr, closed.consts, [leaves[i] for i in dynamic], [_INPUT] * len(dynamic)
+  )
+  out_dtype = np.dtype(ctx.policy.output_dtype)
+  outs = [
+    _cast(x, out_dtype) if _is_float(s.dtype) else x for x, s in zip(outs, out_leaves, strict=True)
+  ]
+  return jax.tree.unflatten(out_tree, outs)
+
+
+def autocast(
+  fn: Callable[..., Any],
+  policy: Policy | str | Any = "mixed_bf16",
+  *,
+  rules: Mapping[str, str] | None = None,
+  level: Literal["full", "gemm_only"] = "full",
+) -> Callable[..., Any]:
+  """Returns ``fn`` with each of its operations run in the precision its class calls for.
+
+  The returned function has ``fn``'s signature. Each call traces ``fn`` (array
+  arguments become inputs; other leaves, such as ``train=True``, stay Python
+  values) and evaluates the traced program under the classes in
+  :data:`OP_CLASSES`: GEMMs and convolutions take ``policy.compute_dtype``
+  operands and accumulate in f32, forward and backward; exp, log, pow, squares
+  and reductions (so softmax and norm statistics) run in f32; elementwise ops
+  take their widest input. f32 weights stay f32 in memory and are cast where a
+  GEMM consumes them. Floating outputs come back in ``policy.output_dtype``.
+  It composes with ``jax.jit``, ``jax.grad``, ``jax.vmap``, ``jax.checkpoint``,
+  ``lax.scan``, ``shard_map`` and :func:`mpjax.make_train_step`, and enters
+  ``jit``, ``cond``, ``while``, ``scan``, ``remat``, ``shard_map`` and
+  ``custom_jvp`` functions (their JVP rules are autocast too). A ``custom_vjp``
+  function is autocast when not differentiated; under differentiation its own
+  fwd and bwd run in the dtypes they were written for.
+
+  A user's explicit choices stay: ``astype``, a GEMM's ``precision``, or a
+  ``preferred_element_type`` that differs from its operands' dtype.
+
+  Args:
+    fn: any JAX function: a Flax ``model.apply``, an NNX module called through
+      ``nnx.merge``, a loss function.
+    policy: anything :func:`mpjax.get_policy` reads. A policy whose compute
+      dtype is f32 returns ``fn`` itself.
+    rules: edits, by key. A primitive name maps to a class (``"lower"``,
+      ``"fp32"``, ``"promote"``, ``"follow"``, ``"keep"``), e.g.
+      ``{"tanh": "fp32"}``. A glob with ``*`` or ``/`` matches the name stack
+      Flax and ``jax.named_scope`` give each operation, and maps to the policy
+      its operations use, e.g. ``{"*head*": "fp32", "*/LayerNorm_*": "fp32"}``
+      (an f32 scope runs as traced). The first matching pattern wins.
+    level: ``"full"`` (every class) or ``"gemm_only"`` (only GEMMs and
+      convolutions change: compute-dtype operands, f32 accumulation, results
+      back in the traced dtype; everything else runs as traced).
+
+  Returns:
+    The autocast function.
+
+  Raises:
+    ValueError: for a policy that cannot be read, a rule naming an unknown
+      primitive, class or policy, or an unknown level.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, flax.linen as nn
+    >>> import mpjax
+    >>> model = nn.Dense(4)
+    >>> x = jnp.ones((2, 3))
+    >>> params = model.init(jax.random.key(0), x)
+    >>> apply = mpjax.autocast(model.apply, "mixed_bf16")
+    >>> jax.jit(apply)(params, x).dtype  # the GEMM ran bf16 x bf16 -> f32
+    dtype('float32')
+  """
+  policy, parsed = _check(fn, policy, rules, level)
+  if np.dtype(policy.compute_dtype) == _F32 and not any(
+    np.dtype(p.compute_dtype) != _F32 for _, p in parsed.scopes
+  ):
+    return fn
+  ctx = _Ctx(policy, parsed, level)
+
+  @functools.wraps(fn)
+  def wrapped(*args: Any, **kwargs: Any) -> Any:
+    return _run(ctx, fn, args, kwargs)
+
+  return wrapped
+
+
+@dataclasses.dataclass(frozen=True)
+class AutocastReport:
+  """What autocast did to each operation of one call, counted.
+
+  Attributes:
+    by_class: for each class, how many operations produced each dtype.
+    by_module: for each name-stack path, how many operations produced each dtype.
+    gemm_flops: FLOPs of all GEMMs and convolutions in the forward pass.
+    lowered_flops: of those, the FLOPs that ran with half-precision operands.
+  """
+
+  by_class: Mapping[str, Mapping[str, int]]
+  by_module: Mapping[str, Mapping[str, int]]
+  gemm_flops: float
+  lowered_flops: float
+
+  @property
+  def lowered_share(self) -> float:
+    """The share of GEMM FLOPs with half-precision operands (1.0 when there are none)."""
+    return self.lowered_flops / self.gemm_flops if self.gemm_flops else 1.0
+
+  def __str__(self) -> str:
+    lines = ["class      operations by result dtype"]
+    for cls, counts in self.by_class.items():
+      lines.append(f"{cls:<10} " + ", ".join(f"{d}: {n}" for d, n in sorted(counts.items())))
+    lines.append("")
+    lines.append("module path                              operations by result dtype")
+    for path, counts in self.by_module.items():
+      lines.append(
+        f"{(path or '(top)'):<40} " + ", ".join(f"{d}: {n}" for d, n in sorted(counts.items()))
+      )
+    lines.append("")
+    lines.append(
+      f"GEMM FLOPs (forward): {self.gemm_flops:.4g}, in the compute dtype: "
+      f"{self.lowered_flops:.4g} ({100 * self.lowered_share:.1f}%)"
+    )
+    return "\n".join(lines)
+
+
+def autocast_report(
+  fn: Callable[..., Any],
+  *args: Any,
+  policy: Policy | str | Any = "mixed_bf16",
+  rules: Mapping[str, str] | None = None,
+  level: Literal["full", "gemm_only"] = "full",
+  print_report: bool = True,
+  **kwargs: Any,
+) -> AutocastReport:
+  """Explains what :func:`autocast` does to ``fn(*args, **kwargs)``: counts per class and module.
+
+  Nothing is computed: the autocast program is only traced. Operations inside
+  a ``scan`` count once per iteration.
+
+  Args:
+    fn: the function, as given to :func:`autocast`.
+    *args: its arguments (arrays or ``jax.ShapeDtypeStruct`` s).
+    policy: as for :func:`autocast`.
+    rules: as for :func:`autocast`.
+    level: as for :func:`autocast`.
+    print_report: print the report as a table.
+    **kwargs: keyword arguments of ``fn``.
+
+  Returns:
+    An :class:`AutocastReport`.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, flax.linen as nn
+    >>> import mpjax
+    >>> model = nn.Sequential([nn.Dense(8), nn.LayerNorm(), nn.Dense(2)])
+    >>> x = jnp.ones((4, 3))
+    >>> params = model.init(jax.random.key(0), x)
+    >>> report = mpjax.autocast_report(model.apply, params, x, print_report=False)
+    >>> report.lowered_share, dict(report.by_class["lower"])
+    (1.0, {'bfloat16': 2})
+  """
+  policy, parsed = _check(fn, policy, rules, level)
+  records: list[_Record] = []
+  ctx = _Ctx(policy, parsed, level, records)
+  jax.eval_shape(lambda a, k: _run(ctx, fn, a, k), args, kwargs)
+  by_class: dict[str, Counter] = defaultdict(Counter)
+  by_module: dict[str, Counter] = defaultdict(Counter)
+  for r in records:
+    by_class[r.op_class][r.dtype] += int(r.count)
+    by_module[r.path][r.dtype] += int(r.count)
+  report = AutocastReport(
+    by_class={c: dict(by_class[c]) for c in CLASSES if c in by_class},
+    by_module={m: dict(v) for m, v in sorted(by_module.items())},
+    gemm_flops=sum(r.flops for r in records),
+    lowered_flops=sum(r.flops for r in records if r.lowered),
+  )
+  if print_report:
+    print(report)
+  return report
