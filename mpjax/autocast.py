@@ -257,7 +257,7 @@ def _lower(ctx: _Ctx, eqn: Any, invals: list[Any], kinds: list[int], compute: np
   if eqn.primitive.name == "dot_general":
     (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
     dims = ((tuple(lc), tuple(rc)), (tuple(lb), tuple(rb)))
-    out = mixed_dot(ops[0], ops[1], dims, compute)
+    out = mixed_dot(ops[0], ops[1], dims, compute, eqn.params.get("out_sharding"))
   else:
     conv_params = {
       k: v for k, v in eqn.params.items() if k not in ("precision", "preferred_element_type")
@@ -384,8 +384,9 @@ def _eval_closed(ctx, closed, args, kinds, prefix):
 
 
 def _to_dtypes(xs: Sequence[Any], avals: Sequence[Any]) -> list[Any]:
+  """The floating ``xs`` cast to the dtypes of ``avals`` (float0 tangents stay)."""
   return [
-    _cast(x, a.dtype) if _is_float(a.dtype) and hasattr(x, "dtype") else x
+    _cast(x, a.dtype) if _is_float(a.dtype) and _is_float(getattr(x, "dtype", None)) else x
     for x, a in zip(xs, avals, strict=True)
   ]
 
@@ -474,10 +475,6 @@ def _enter(ctx: _Ctx, eqn: Any, invals: list[Any], kinds: list[int], path: str) 
   return _custom_vjp(ctx, eqn, invals, kinds, path)
 
 
-def _struct(aval: Any, dtype: Any = None) -> jax.ShapeDtypeStruct:
-  return jax.ShapeDtypeStruct(aval.shape, aval.dtype if dtype is None else dtype)
-
-
 def _custom_jvp(ctx, eqn, invals, kinds, path):
   """The primal and the user's JVP rule, both autocast; tangents follow their primals."""
   call = eqn.params["call_jaxpr"]
@@ -489,9 +486,10 @@ def _custom_jvp(ctx, eqn, invals, kinds, path):
   def rule(primals, tangents):
     _, jvp = eqn.primitive.get_bind_params(dict(eqn.params))["subfuns"]
     out_dtypes = [o.dtype for o in jax.eval_shape(primal, *primals)]
-    tangent_structs = [_struct(a, jcore.primal_dtype_to_tangent_dtype(a.dtype)) for a in in_avals]
+    # The rule, traced at the dtypes it was written for (actual values keep
+    # their sharding and varying axes), then autocast like the primal.
     jvp_jaxpr = jax.make_jaxpr(lambda *a: jvp.call_wrapped(*a))(
-      *map(_struct, in_avals), *tangent_structs
+      *_to_dtypes(primals, in_avals), *_to_dtypes(tangents, in_avals)
     )
     tkinds = [_ACT] * len(tangents)
     outs = _eval_closed(ctx, jvp_jaxpr, [*primals, *tangents], [*kinds, *tkinds], path)

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax._src.lax import convolution as _conv
+from jax.sharding import PartitionSpec as P
 from jax.typing import DTypeLike
 
 __all__ = ["mixed_dot_general"]
@@ -42,7 +43,24 @@ def _transpose_to(x: jax.Array, order: Sequence[int]) -> jax.Array:
   return lax.optimization_barrier(jnp.transpose(x, order))
 
 
-def _dot_f32(a: jax.Array, b: jax.Array, dimension_numbers: DimensionNumbers) -> jax.Array:
+def _sharding_like(target: jax.Array, labels: Sequence[int]) -> Any:
+  """The explicit sharding of ``target``, for an array whose dim ``i`` is its dim ``labels[i]``.
+
+  ``None`` unless ``target`` is sharded explicitly (``jax.sharding.AxisType.Explicit``),
+  where a GEMM that contracts a sharded dimension must be told its output sharding.
+  """
+  sharding = getattr(jax.typeof(target), "sharding", None)
+  spec = getattr(sharding, "spec", None)
+  axis_types = getattr(getattr(sharding, "mesh", None), "axis_types", ())
+  if spec is None or jax.sharding.AxisType.Explicit not in axis_types:
+    return None
+  spec = tuple(spec) + (None,) * (target.ndim - len(spec))
+  return jax.sharding.NamedSharding(sharding.mesh, P(*(spec[d] for d in labels)))
+
+
+def _dot_f32(
+  a: jax.Array, b: jax.Array, dimension_numbers: DimensionNumbers, out_sharding: Any = None
+) -> jax.Array:
   """``dot_general(a, b)`` accumulated in f32, with ``a`` laid out as [batch, free, contracting].
 
   Batched dots also get ``b`` as [batch, contracting, free]: XLA:CPU cannot run
@@ -57,10 +75,16 @@ def _dot_f32(a: jax.Array, b: jax.Array, dimension_numbers: DimensionNumbers) ->
   if nb:
     b = _transpose_to(b, bb + bc + bf)
     bb, bc = list(range(nb)), list(range(nb, nb + len(bc)))
-  return lax.dot_general(a, b, ((new_ac, bc), (new_ab, bb)), preferred_element_type=jnp.float32)
+  return lax.dot_general(
+    a,
+    b,
+    ((new_ac, bc), (new_ab, bb)),
+    preferred_element_type=jnp.float32,
+    out_sharding=out_sharding,
+  )
 
 
-def _dot_into(target_ndim, a, a_labels, b, b_labels, dims):
+def _dot_into(target, a, a_labels, b, b_labels, dims):
   """``dot_general(a, b, dims)`` laid out as the operand whose dims the labels name.
 
   ``a_labels``/``b_labels`` give, for each dim of ``a``/``b``, the target dim it
@@ -71,11 +95,11 @@ def _dot_into(target_ndim, a, a_labels, b, b_labels, dims):
   (ac, bc), (ab, bb) = dims
   labels = [a_labels[d] for d in ab + _free(a.ndim, ac, ab)]
   labels += [b_labels[d] for d in _free(b.ndim, bc, bb)]
-  order = [labels.index(d) for d in range(target_ndim)]
-  needs_transpose = order != list(range(target_ndim))
+  order = [labels.index(d) for d in range(target.ndim)]
+  needs_transpose = order != list(range(target.ndim))
 
   def compute():
-    out = _dot_f32(a, b, dims)
+    out = _dot_f32(a, b, dims, _sharding_like(target, labels))
     return jnp.transpose(out, order) if needs_transpose else out
 
   return needs_transpose, compute
@@ -108,8 +132,8 @@ def _grad_dots(
   rhs_to_lhs = {**dict(zip(rb, lb, strict=True)), **dict(zip(rc, lc, strict=True))}
   rhs_to_lhs = [rhs_to_lhs.get(d) for d in range(rhs.ndim)]
   d_lhs = best(
-    _dot_into(lhs.ndim, g, g_to_lhs, rhs, rhs_to_lhs, ((g_rf, rf), (g_batch, rb))),
-    _dot_into(lhs.ndim, rhs, rhs_to_lhs, g, g_to_lhs, ((rf, g_rf), (rb, g_batch))),
+    _dot_into(lhs, g, g_to_lhs, rhs, rhs_to_lhs, ((g_rf, rf), (g_batch, rb))),
+    _dot_into(lhs, rhs, rhs_to_lhs, g, g_to_lhs, ((rf, g_rf), (rb, g_batch))),
   )
   # d_rhs: contract g's lhs-free dims with lhs's free dims, batch with batch.
   g_to_rhs = {**dict(zip(g_batch, rb, strict=True)), **dict(zip(g_rf, rf, strict=True))}
@@ -117,26 +141,28 @@ def _grad_dots(
   lhs_to_rhs = {**dict(zip(lb, rb, strict=True)), **dict(zip(lc, rc, strict=True))}
   lhs_to_rhs = [lhs_to_rhs.get(d) for d in range(lhs.ndim)]
   d_rhs = best(
-    _dot_into(rhs.ndim, lhs, lhs_to_rhs, g, g_to_rhs, ((lf, g_lf), (lb, g_batch))),
-    _dot_into(rhs.ndim, g, g_to_rhs, lhs, lhs_to_rhs, ((g_lf, lf), (g_batch, lb))),
+    _dot_into(rhs, lhs, lhs_to_rhs, g, g_to_rhs, ((lf, g_lf), (lb, g_batch))),
+    _dot_into(rhs, g, g_to_rhs, lhs, lhs_to_rhs, ((g_lf, lf), (g_batch, lb))),
   )
   return d_lhs, d_rhs
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def mixed_dot(lhs, rhs, dimension_numbers, compute_dtype):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def mixed_dot(lhs, rhs, dimension_numbers, compute_dtype, out_sharding=None):
   """``dot_general`` with compute-dtype operands and f32 accumulation, forward and backward."""
-  out = _dot_f32(lhs.astype(compute_dtype), rhs.astype(compute_dtype), dimension_numbers)
+  out = _dot_f32(
+    lhs.astype(compute_dtype), rhs.astype(compute_dtype), dimension_numbers, out_sharding
+  )
   return out.astype(compute_dtype)
 
 
-def _mixed_dot_fwd(lhs, rhs, dimension_numbers, compute_dtype):
+def _mixed_dot_fwd(lhs, rhs, dimension_numbers, compute_dtype, out_sharding):
   # Keep the operands as they came: a weight stays its f32 self (alive anyway),
   # an activation is already in the compute dtype.
-  return mixed_dot(lhs, rhs, dimension_numbers, compute_dtype), (lhs, rhs)
+  return mixed_dot(lhs, rhs, dimension_numbers, compute_dtype, out_sharding), (lhs, rhs)
 
 
-def _mixed_dot_bwd(dimension_numbers, compute_dtype, residuals, g):
+def _mixed_dot_bwd(dimension_numbers, compute_dtype, out_sharding, residuals, g):
   lhs, rhs = residuals
   d_lhs, d_rhs = _grad_dots(
     g.astype(compute_dtype),

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -11,7 +11,9 @@ import optax
 from jax import lax
 
 from mpjax._dtypes import is_floating
+from mpjax.autocast import autocast as autocast_fn
 from mpjax.loss_scale import all_finite
+from mpjax.policy import Policy
 from mpjax.train_state import TrainState
 
 __all__ = ["make_train_step"]
@@ -72,17 +74,33 @@ def _as_varying(tree: Any, axis_name: Hashable | Sequence[Hashable]) -> Any:
   return jax.tree.map(vary, tree)
 
 
+def _is_mixed(policy: Policy) -> bool:
+  """f32 master params with half-precision compute: where autocast is the faster path."""
+  return policy.param_dtype == jnp.float32 and policy.compute_dtype in (jnp.bfloat16, jnp.float16)
+
+
+def _identity(x: Any) -> Any:
+  return x
+
+
 def make_train_step(
   loss_fn: LossFn,
   *,
   axis_name: Hashable | Sequence[Hashable] | None = None,
   max_grad_norm: float | None = None,
   cast_batch: bool = True,
+  autocast: bool | None = None,
+  autocast_rules: Mapping[str, str] | None = None,
 ) -> StepFn:
   """Builds a pure mixed-precision training step ``step(state, batch) -> (state, metrics)``.
 
-  The step casts the fp32 master params (and the batch's floating leaves) to the
-  policy's compute dtype, runs ``loss_fn``, takes the loss in f32, scales it,
+  For a mixed policy (f32 params, half-precision compute) the step runs
+  ``loss_fn`` under :func:`mpjax.autocast`: it gets the fp32 master params and
+  the batch as they are, and each operation runs in its class's precision
+  (GEMMs bf16/fp16 x bf16/fp16 -> f32, forward and backward; softmax, norms and
+  reductions in f32). Otherwise, or with ``autocast=False``, the step casts the
+  params (and the batch's floating leaves) to the policy's compute dtype before
+  ``loss_fn``. Either way it takes the loss in f32, scales it,
   differentiates with respect to the master params, unscales the gradients
   with the same scale, decides once (for all devices) whether they are finite,
   clips them if asked, and applies the optax update in f32. On a non-finite
@@ -103,8 +121,13 @@ def make_train_step(
       global already.
     max_grad_norm: if set, gradients are clipped to this global norm (after
       unscaling).
-    cast_batch: cast the batch's f16/bf16/f32 leaves to the compute dtype; turn
-      off for inputs that must stay f32.
+    cast_batch: without autocast, cast the batch's f16/bf16/f32 leaves to the
+      compute dtype; turn off for inputs that must stay f32.
+    autocast: run ``loss_fn`` under :func:`mpjax.autocast` with the state's
+      policy. ``None`` (default) means yes for mixed policies (param dtype f32,
+      compute dtype f16 or bf16), where it is the faster path, and no otherwise.
+    autocast_rules: ``rules`` for :func:`mpjax.autocast`, e.g.
+      ``{"*head*": "fp32"}``.
 
   Returns:
     ``step(state, batch) -> (state, metrics)``; ``metrics`` holds ``loss``
@@ -136,6 +159,9 @@ def make_train_step(
       f"make_train_step: max_grad_norm={max_grad_norm!r} must be positive, or None for no clipping."
     )
 
+  if autocast_rules is not None:
+    autocast_fn(loss_fn, "mixed_bf16", rules=autocast_rules)  # checks the rules now
+
   def step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
     if not isinstance(state, TrainState):
       raise TypeError(
@@ -143,10 +169,16 @@ def make_train_step(
         f"{type(state).__name__}."
       )
     policy, loss_scale = state.policy, state.loss_scale
-    compute_batch = policy.cast_to_compute(batch) if cast_batch else batch
+    use_autocast = autocast if autocast is not None else _is_mixed(policy)
+    if use_autocast:
+      run, compute_batch = autocast_fn(loss_fn, policy, rules=autocast_rules), batch
+      to_compute = _identity
+    else:
+      run, compute_batch = loss_fn, policy.cast_to_compute(batch) if cast_batch else batch
+      to_compute = policy.cast_to_compute
 
     def scaled_loss(params):
-      loss, aux = _split_loss(loss_fn(policy.cast_to_compute(params), compute_batch))
+      loss, aux = _split_loss(run(to_compute(params), compute_batch))
       loss = loss.astype(jnp.float32)
       return loss_scale.scale(loss), (loss, aux)
 

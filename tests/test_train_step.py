@@ -1,6 +1,7 @@
 import chex
 import flax.linen as nn
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -84,7 +85,7 @@ def test_fp32_policy_matches_a_plain_optax_step():
   np.testing.assert_allclose(metrics["loss"], loss, rtol=1e-6)
 
 
-def test_module_without_dtype_computes_in_the_compute_dtype():
+def test_policy_casting_module_without_dtype_computes_in_the_compute_dtype():
   seen = []
 
   def recording_loss(params, batch):
@@ -94,10 +95,45 @@ def test_module_without_dtype_computes_in_the_compute_dtype():
       logits.astype(jnp.float32), batch["y"]
     ).mean()
 
-  jax.jit(mpjax.make_train_step(recording_loss))(_state("mixed_bf16"), _batch())
+  step = mpjax.make_train_step(recording_loss, autocast=False)
+  jax.jit(step)(_state("mixed_bf16"), _batch())
   assert seen[-1] == (jnp.bfloat16, jnp.bfloat16, jnp.int32)  # labels untouched
-  jax.jit(mpjax.make_train_step(recording_loss, cast_batch=False))(_state("mixed_bf16"), _batch())
+  step = mpjax.make_train_step(recording_loss, cast_batch=False, autocast=False)
+  jax.jit(step)(_state("mixed_bf16"), _batch())
   assert seen[-1][1] == jnp.float32
+
+
+def _gemm_operand_dtypes(jaxpr):
+  dtypes = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "dot_general":
+      dtypes.append(tuple(str(v.aval.dtype) for v in eqn.invars))
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      dtypes += _gemm_operand_dtypes(sub)
+  return dtypes
+
+
+@pytest.mark.parametrize("policy,half", [("mixed_bf16", "bfloat16"), ("mixed_fp16", "float16")])
+def test_mixed_policies_autocast_by_default(policy, half):
+  seen = []
+
+  def recording_loss(params, batch):
+    seen.append(jax.tree.leaves(params)[0].dtype)  # traced as written: f32
+    return loss_fn(params, batch)
+
+  step = mpjax.make_train_step(recording_loss)
+  jaxpr = jax.make_jaxpr(step)(_state(policy), _batch()).jaxpr
+  assert seen == [jnp.float32]
+  gemms = _gemm_operand_dtypes(jaxpr)
+  assert len(gemms) == 9  # 3 layers x (forward + 2 gradient GEMMs)
+  assert all(g == (half, half) for g in gemms), gemms
+  state, metrics = jax.jit(step)(_state(policy), _batch())
+  assert bool(metrics["grads_finite"]) and int(state.step) == 1
+
+
+def test_autocast_rules_are_checked_when_the_step_is_made():
+  with pytest.raises(ValueError, match="not an op class"):
+    mpjax.make_train_step(loss_fn, autocast_rules={"exp": "fp23"})
 
 
 def test_policy_change_recompiles_with_new_dtypes():
@@ -107,7 +143,7 @@ def test_policy_change_recompiles_with_new_dtypes():
     seen.append(jax.tree.leaves(params)[0].dtype)
     return loss_fn(params, batch)
 
-  step = jax.jit(mpjax.make_train_step(recording_loss), donate_argnums=0)
+  step = jax.jit(mpjax.make_train_step(recording_loss, autocast=False), donate_argnums=0)
   batch = _batch()
   for policy in ("mixed_bf16", "fp32", "mixed_fp16"):
     state, _ = step(_state(policy), batch)
