@@ -88,6 +88,10 @@ _KEEP = (
   "debug_print"
 ).split()
 
+# In the fp32 class for fp16's range only (x**3 overflows fp16 for |x| > 40);
+# bf16 has f32's range, so with bf16 compute they follow their input.
+_FP16_RANGE = frozenset({"integer_pow"})
+
 OP_CLASSES: Mapping[str, str] = {
   **{p: "keep" for p in _KEEP},
   **{p: "follow" for p in _FOLLOW},
@@ -199,7 +203,11 @@ def _cast(x: Any, dtype: Any, kind: int = _ACT) -> Any:
   dtype = np.dtype(dtype)
   if x.dtype == dtype:
     return x
-  if kind == _LIT and jnp.finfo(dtype).max < jnp.finfo(x.dtype).max:
+  saturate = kind == _LIT and jnp.finfo(dtype).max < jnp.finfo(x.dtype).max
+  if isinstance(x, np.ndarray | np.generic):  # a literal: cast now, not in the program
+    big = float(jnp.finfo(dtype).max)
+    return np.asarray(np.clip(x, -big, big) if saturate else x).astype(dtype)
+  if saturate:
     big = float(jnp.finfo(dtype).max)
     x = jnp.clip(x, -big, big)
   return lax.convert_element_type(x, dtype)
@@ -321,7 +329,7 @@ def _eval_jaxpr(
 
   def read(v):
     if isinstance(v, jcore.Literal):
-      return jnp.asarray(v.val, v.aval.dtype) if hasattr(v.aval, "dtype") else v.val, _LIT
+      return np.asarray(v.val, v.aval.dtype) if hasattr(v.aval, "dtype") else v.val, _LIT
     return env[v]
 
   const_kinds = const_kinds if const_kinds is not None else [_INPUT] * len(consts)
@@ -348,6 +356,8 @@ def _eval_jaxpr(
         cls = "keep"
       if compute == _F32 or (ctx.level == "gemm_only" and cls != "lower"):
         cls = "keep"
+      elif cls == "fp32" and name in _FP16_RANGE and compute != np.dtype(jnp.float16):
+        cls = "follow"
       outs = _run_class(ctx, eqn, cls, invals, in_kinds, compute)
       if all(k == _LIT for k in in_kinds):
         out_kind = _LIT
@@ -387,6 +397,14 @@ def _to_dtypes(xs: Sequence[Any], avals: Sequence[Any]) -> list[Any]:
   """The floating ``xs`` cast to the dtypes of ``avals`` (float0 tangents stay)."""
   return [
     _cast(x, a.dtype) if _is_float(a.dtype) and _is_float(getattr(x, "dtype", None)) else x
+    for x, a in zip(xs, avals, strict=True)
+  ]
+
+
+def _avals_as(xs: Sequence[Any], avals: Sequence[Any]) -> list[Any]:
+  """The abstract values of ``xs`` (sharding, varying axes) with the dtypes of ``avals``."""
+  return [
+    jax.typeof(x).update(dtype=a.dtype) if _is_float(a.dtype) and _is_float(x.dtype) else x
     for x, a in zip(xs, avals, strict=True)
   ]
 
@@ -489,7 +507,7 @@ def _custom_jvp(ctx, eqn, invals, kinds, path):
     # The rule, traced at the dtypes it was written for (actual values keep
     # their sharding and varying axes), then autocast like the primal.
     jvp_jaxpr = jax.make_jaxpr(lambda *a: jvp.call_wrapped(*a))(
-      *_to_dtypes(primals, in_avals), *_to_dtypes(tangents, in_avals)
+      *_avals_as(primals, in_avals), *_avals_as(tangents, in_avals)
     )
     tkinds = [_ACT] * len(tangents)
     outs = _eval_closed(ctx, jvp_jaxpr, [*primals, *tangents], [*kinds, *tkinds], path)
