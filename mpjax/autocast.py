@@ -292,21 +292,26 @@ def _run_class(
         invals[i] = _cast(invals[i], _F32, kinds[i])
     return _bind(eqn, invals)
   # promote / follow: operands traced in one dtype get one dtype again.
+  result_dtype = None
   for group in {t for t in traced if t is not None}:
     idx = [i for i, t in enumerate(traced) if t == group]
     if cls == "follow":
       target = invals[idx[0]].dtype
-    elif any(kinds[i] == _GEMM for i in idx) and all(kinds[i] != _ACT for i in idx):
-      # A GEMM's bias: the parameter joins the GEMM's result in its dtype, as
-      # in torch's linear(x, weight, bias).
-      target = next(invals[i].dtype for i in idx if kinds[i] == _GEMM)
     else:
       cands = [i for i in idx if kinds[i] != _LIT and invals[i].ndim > 0]
       cands = cands or [i for i in idx if kinds[i] != _LIT] or idx
       target = _widest([np.dtype(invals[i].dtype) for i in cands])
+      if any(kinds[i] == _GEMM for i in idx) and all(kinds[i] != _ACT for i in idx):
+        # A GEMM's bias joins the GEMM's result in its dtype, as in torch's
+        # linear(x, weight, bias); the add itself runs in f32, so the bias
+        # gradient (a sum over the batch) accumulates in f32.
+        result_dtype = next(invals[i].dtype for i in idx if kinds[i] == _GEMM)
     for i in idx:
       invals[i] = _cast(invals[i], target, kinds[i])
-  return _bind(eqn, invals)
+  outs = _bind(eqn, invals)
+  if result_dtype is not None:
+    outs = [_cast(o, result_dtype) for o in outs]
+  return outs
 
 
 def _scope(ctx: _Ctx, path: str) -> Policy:
@@ -374,10 +379,12 @@ def _eval_jaxpr(
         elif name == "conv_general_dilated":
           flops = _flops_conv(eqn)
         out_dtype = next((o.dtype for o in outs if hasattr(o, "dtype")), None)
-        lowered = bool(flops) and any(
-          _is_float(x.dtype) and np.dtype(x.dtype).itemsize < 4 for x in invals
+        traced_half = any(
+          _is_float(v.aval.dtype) and np.dtype(v.aval.dtype).itemsize < 4 for v in eqn.invars
         )
-        lowered = lowered or (cls == "lower" and flops > 0 and compute != _F32)
+        lowered = flops > 0 and (
+          traced_half or (cls == "lower" and eqn.params.get("precision") is None)
+        )
         ctx.records.append(
           _Record(path, name, cls, str(out_dtype), flops * ctx.repeat, lowered, ctx.repeat)
         )

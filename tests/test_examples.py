@@ -26,6 +26,12 @@ def test_readme_quickstart_and_checkpoint_run(capsys):
   exec(compile(_readme_code("Checkpoints"), "README.md checkpoints", "exec"), namespace)
   chex.assert_trees_all_equal(namespace["restored"].params, state.params)
   assert float(namespace["restored"].loss_scale.loss_scale) == 2.0**15
+  section = "Autocast: every operation in the right precision"
+  exec(compile(_readme_code(section), "README.md autocast", "exec"), namespace)
+  assert namespace["logits"].dtype == "float32"
+  report = namespace["report"]
+  assert 0 < report.lowered_share < 1  # the rule kept the last layer in f32
+  assert "layers_2" in str(report)
 
 
 def _script(name):
