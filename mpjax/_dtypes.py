@@ -3,6 +3,21 @@
 from typing import Any
 
 import jax.numpy as jnp
+import numpy as np
+
+# The only dtypes mpjax moves values between. Integers, booleans, PRNG keys and
+# float64 are never touched by a cast.
+CASTABLE = frozenset(np.dtype(d) for d in (jnp.float16, jnp.bfloat16, jnp.float32))
+
+
+def is_castable_dtype(dtype: Any) -> bool:
+  """Whether ``dtype`` is f16, bf16 or f32 (``None`` and extended dtypes are not)."""
+  if dtype is None:
+    return False
+  try:
+    return np.dtype(dtype) in CASTABLE
+  except TypeError:  # extended dtypes such as PRNG key types
+    return False
 
 
 def is_floating(x: Any) -> bool:

@@ -41,6 +41,7 @@ import numpy as np
 from jax import lax
 from jax.extend import core as jcore
 
+from mpjax._dtypes import is_castable_dtype as _castable
 from mpjax.gemm import mixed_conv, mixed_dot
 from mpjax.policy import Policy, get_policy
 
@@ -52,7 +53,6 @@ CLASSES = ("lower", "fp32", "promote", "follow", "keep")
 LEVELS = ("full", "gemm_only")
 
 _F32 = np.dtype(jnp.float32)
-_CASTABLE = frozenset(np.dtype(d) for d in (jnp.float16, jnp.bfloat16, jnp.float32))
 
 _LOWER = ("dot_general", "conv_general_dilated")
 _FP32 = (
@@ -171,7 +171,6 @@ def _warn_unknown(name: str) -> None:
 @dataclasses.dataclass
 class _Record:
   path: str
-  primitive: str
   op_class: str
   dtype: str
   flops: float
@@ -189,13 +188,6 @@ class _Ctx:
 
   def scaled(self, repeat: float) -> _Ctx:
     return dataclasses.replace(self, repeat=self.repeat * repeat)
-
-
-def _is_float(dtype: Any) -> bool:
-  try:
-    return np.dtype(dtype) in _CASTABLE
-  except TypeError:
-    return False
 
 
 def _cast(x: Any, dtype: Any, kind: int = _ACT) -> Any:
@@ -219,8 +211,8 @@ def _widest(dtypes: Sequence[np.dtype]) -> np.dtype:
   return distinct.pop() if len(distinct) == 1 else _F32
 
 
-def _bind(eqn: Any, invals: Sequence[Any], params: Mapping[str, Any] | None = None) -> list[Any]:
-  bind_params = eqn.primitive.get_bind_params(dict(params or eqn.params))
+def _bind(eqn: Any, invals: Sequence[Any]) -> list[Any]:
+  bind_params = eqn.primitive.get_bind_params(dict(eqn.params))
   out = eqn.primitive.bind(*invals, **bind_params)
   return list(out) if eqn.primitive.multiple_results else [out]
 
@@ -228,7 +220,7 @@ def _bind(eqn: Any, invals: Sequence[Any], params: Mapping[str, Any] | None = No
 def _as_traced(eqn: Any, invals: Sequence[Any], kinds: Sequence[int]) -> list[Any]:
   """The operands back in the dtypes they were traced with."""
   return [
-    _cast(x, v.aval.dtype, k) if _is_float(v.aval.dtype) and x.dtype != v.aval.dtype else x
+    _cast(x, v.aval.dtype, k) if _castable(v.aval.dtype) and x.dtype != v.aval.dtype else x
     for x, v, k in zip(invals, eqn.invars, kinds, strict=True)
   ]
 
@@ -254,7 +246,7 @@ def _lower(ctx: _Ctx, eqn: Any, invals: list[Any], kinds: list[int], compute: np
     eqn.params.get("precision") is not None
     or (pet is not None and np.dtype(pet) != np.dtype(lhs_t))
     or lhs_t != rhs_t
-    or not _is_float(lhs_t)
+    or not _castable(lhs_t)
   )
   if explicit:
     return None
@@ -284,7 +276,7 @@ def _run_class(
     return out if out is not None else _bind(eqn, _as_traced(eqn, invals, kinds))
   if cls == "keep":
     return _bind(eqn, _as_traced(eqn, invals, kinds))
-  traced = [np.dtype(v.aval.dtype) if _is_float(v.aval.dtype) else None for v in eqn.invars]
+  traced = [np.dtype(v.aval.dtype) if _castable(v.aval.dtype) else None for v in eqn.invars]
   invals = list(invals)
   if cls == "fp32":
     for i, t in enumerate(traced):
@@ -328,8 +320,8 @@ def _eval_jaxpr(
   args: Sequence[Any],
   kinds: Sequence[int],
   prefix: str = "",
-  const_kinds: Sequence[int] | None = None,
-) -> tuple[list[Any], list[int]]:
+) -> list[Any]:
+  """Evaluates ``jaxpr`` with autocast; ``kinds`` says how each argument came about."""
   env: dict[Any, tuple[Any, int]] = {}
 
   def read(v):
@@ -337,9 +329,8 @@ def _eval_jaxpr(
       return np.asarray(v.val, v.aval.dtype) if hasattr(v.aval, "dtype") else v.val, _LIT
     return env[v]
 
-  const_kinds = const_kinds if const_kinds is not None else [_INPUT] * len(consts)
-  for v, x, k in zip(jaxpr.constvars, consts, const_kinds, strict=True):
-    env[v] = (x, k)
+  for v, x in zip(jaxpr.constvars, consts, strict=True):
+    env[v] = (x, _INPUT)  # closed-over arrays count as inputs, as weights often are
   for v, x, k in zip(jaxpr.invars, args, kinds, strict=True):
     env[v] = (x, k)
 
@@ -368,7 +359,7 @@ def _eval_jaxpr(
         out_kind = _LIT
       elif name in _VIEWS and in_kinds[0] in (_INPUT, _GEMM):
         out_kind = in_kinds[0]
-      elif cls == "lower" and compute != _F32:
+      elif cls == "lower":  # f32 scopes were turned to "keep" above
         out_kind = _GEMM
       else:
         out_kind = _ACT
@@ -380,30 +371,29 @@ def _eval_jaxpr(
           flops = _flops_conv(eqn)
         out_dtype = next((o.dtype for o in outs if hasattr(o, "dtype")), None)
         traced_half = any(
-          _is_float(v.aval.dtype) and np.dtype(v.aval.dtype).itemsize < 4 for v in eqn.invars
+          _castable(v.aval.dtype) and np.dtype(v.aval.dtype).itemsize < 4 for v in eqn.invars
         )
         lowered = flops > 0 and (
           traced_half or (cls == "lower" and eqn.params.get("precision") is None)
         )
         ctx.records.append(
-          _Record(path, name, cls, str(out_dtype), flops * ctx.repeat, lowered, ctx.repeat)
+          _Record(path, cls, str(out_dtype), flops * ctx.repeat, lowered, ctx.repeat)
         )
     for v, x in zip(eqn.outvars, outs, strict=True):
       if not isinstance(v, jcore.DropVar):
         env[v] = (x, out_kind)
 
-  outs = [read(v) for v in jaxpr.outvars]
-  return [x for x, _ in outs], [k for _, k in outs]
+  return [read(v)[0] for v in jaxpr.outvars]
 
 
 def _eval_closed(ctx, closed, args, kinds, prefix):
-  return _eval_jaxpr(ctx, closed.jaxpr, closed.consts, args, kinds, prefix)[0]
+  return _eval_jaxpr(ctx, closed.jaxpr, closed.consts, args, kinds, prefix)
 
 
 def _to_dtypes(xs: Sequence[Any], avals: Sequence[Any]) -> list[Any]:
   """The floating ``xs`` cast to the dtypes of ``avals`` (float0 tangents stay)."""
   return [
-    _cast(x, a.dtype) if _is_float(a.dtype) and _is_float(getattr(x, "dtype", None)) else x
+    _cast(x, a.dtype) if _castable(a.dtype) and _castable(getattr(x, "dtype", None)) else x
     for x, a in zip(xs, avals, strict=True)
   ]
 
@@ -411,7 +401,7 @@ def _to_dtypes(xs: Sequence[Any], avals: Sequence[Any]) -> list[Any]:
 def _avals_as(xs: Sequence[Any], avals: Sequence[Any]) -> list[Any]:
   """The abstract values of ``xs`` (sharding, varying axes) with the dtypes of ``avals``."""
   return [
-    jax.typeof(x).update(dtype=a.dtype) if _is_float(a.dtype) and _is_float(x.dtype) else x
+    jax.typeof(x).update(dtype=a.dtype) if _castable(a.dtype) and _castable(x.dtype) else x
     for x, a in zip(xs, avals, strict=True)
   ]
 
@@ -428,7 +418,7 @@ def _enter(ctx: _Ctx, eqn: Any, invals: list[Any], kinds: list[int], path: str) 
   if name in ("remat2", "checkpoint"):
 
     def body(*xs):
-      return _eval_jaxpr(ctx, p["jaxpr"], (), xs, kinds, path)[0]
+      return _eval_jaxpr(ctx, p["jaxpr"], (), xs, kinds, path)
 
     return list(jax.checkpoint(body, prevent_cse=p["prevent_cse"], policy=p["policy"])(*invals))
 
@@ -483,7 +473,7 @@ def _enter(ctx: _Ctx, eqn: Any, invals: list[Any], kinds: list[int], path: str) 
   if name == "shard_map":
 
     def body(*xs):
-      return _eval_jaxpr(ctx, p["jaxpr"], (), xs, kinds, path)[0]
+      return _eval_jaxpr(ctx, p["jaxpr"], (), xs, kinds, path)
 
     mapped = jax.shard_map(
       body,
@@ -521,7 +511,7 @@ def _custom_jvp(ctx, eqn, invals, kinds, path):
     n = len(out_dtypes)
     primal_out = [_cast(o, d) for o, d in zip(outs[:n], out_dtypes, strict=True)]
     tangent_out = [
-      _cast(t, d) if _is_float(d) else t for t, d in zip(outs[n:], out_dtypes, strict=True)
+      _cast(t, d) if _castable(d) else t for t, d in zip(outs[n:], out_dtypes, strict=True)
     ]
     return primal_out, tangent_out
 
@@ -551,7 +541,7 @@ def _custom_vjp(ctx, eqn, invals, kinds, path):
     cts = _to_dtypes(cts, call.out_avals)
     grads = vjp_fn(list(cts))
     return tuple(
-      _cast(g, d) if _is_float(d) and _is_float(g.dtype) else g
+      _cast(g, d) if _castable(d) and _castable(g.dtype) else g
       for g, d in zip(grads, in_dtypes, strict=True)
     )
 
@@ -587,12 +577,10 @@ def _run(ctx: _Ctx, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
 
   closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*(leaves[i] for i in dynamic))
   out_leaves, out_tree = jax.tree.flatten(out_shape)
-  outs, _ = _eval_jaxpr(
-    ctx, closed.jaxpr, closed.consts, [leaves[i] for i in dynamic], [_INPUT] * len(dynamic)
-  )
+  outs = _eval_closed(ctx, closed, [leaves[i] for i in dynamic], [_INPUT] * len(dynamic), "")
   out_dtype = np.dtype(ctx.policy.output_dtype)
   outs = [
-    _cast(x, out_dtype) if _is_float(s.dtype) else x for x, s in zip(outs, out_leaves, strict=True)
+    _cast(x, out_dtype) if _castable(s.dtype) else x for x, s in zip(outs, out_leaves, strict=True)
   ]
   return jax.tree.unflatten(out_tree, outs)
 

@@ -19,6 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import DTypeLike
 
+from mpjax._dtypes import is_castable_dtype
+
 __all__ = ["Policy", "get_policy", "POLICY_ENV_VAR", "PRESETS"]
 
 T = TypeVar("T")
@@ -28,19 +30,11 @@ POLICY_ENV_VAR = "MPJAX_POLICY"
 
 _log = logging.getLogger("mpjax")
 
-# The only dtypes a policy moves leaves between. Integers, booleans, PRNG keys
-# and float64 are never touched by a cast.
-_CASTABLE = frozenset(np.dtype(d) for d in (jnp.float16, jnp.bfloat16, jnp.float32))
-
 
 def _is_castable(x: Any) -> bool:
-  dtype = getattr(x, "dtype", None)
-  if dtype is None or not isinstance(x, (jax.Array, np.ndarray, np.generic)):
+  if not isinstance(x, (jax.Array, np.ndarray, np.generic)):
     return False
-  try:
-    return np.dtype(dtype) in _CASTABLE
-  except TypeError:  # extended dtypes such as PRNG key types
-    return False
+  return is_castable_dtype(getattr(x, "dtype", None))
 
 
 def _cast_floating(tree: T, dtype: DTypeLike) -> T:

@@ -79,10 +79,6 @@ def _is_mixed(policy: Policy) -> bool:
   return policy.param_dtype == jnp.float32 and policy.compute_dtype in (jnp.bfloat16, jnp.float16)
 
 
-def _identity(x: Any) -> Any:
-  return x
-
-
 def make_train_step(
   loss_fn: LossFn,
   *,
@@ -170,15 +166,16 @@ def make_train_step(
       )
     policy, loss_scale = state.policy, state.loss_scale
     use_autocast = autocast if autocast is not None else _is_mixed(policy)
-    if use_autocast:
-      run, compute_batch = autocast_fn(loss_fn, policy, rules=autocast_rules), batch
-      to_compute = _identity
+    if use_autocast:  # autocast casts params and batch where each operation uses them
+      run = autocast_fn(loss_fn, policy, rules=autocast_rules)
     else:
-      run, compute_batch = loss_fn, policy.cast_to_compute(batch) if cast_batch else batch
-      to_compute = policy.cast_to_compute
+      compute_batch = policy.cast_to_compute(batch) if cast_batch else batch
+
+      def run(params, _):
+        return loss_fn(policy.cast_to_compute(params), compute_batch)
 
     def scaled_loss(params):
-      loss, aux = _split_loss(run(to_compute(params), compute_batch))
+      loss, aux = _split_loss(run(params, batch))
       loss = loss.astype(jnp.float32)
       return loss_scale.scale(loss), (loss, aux)
 
