@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import DTypeLike
 
-from mpjax._dtypes import is_castable_dtype
+from mpjax._dtypes import cast_floating
 
 __all__ = ["Policy", "get_policy", "POLICY_ENV_VAR", "PRESETS"]
 
@@ -29,24 +29,6 @@ POLICY_ENV_VAR = "MPJAX_POLICY"
 """Environment variable that, when set, overrides every policy resolved from a spec."""
 
 _log = logging.getLogger("mpjax")
-
-
-def _is_castable(x: Any) -> bool:
-  if not isinstance(x, (jax.Array, np.ndarray, np.generic)):
-    return False
-  return is_castable_dtype(getattr(x, "dtype", None))
-
-
-def _cast_floating(tree: T, dtype: DTypeLike) -> T:
-  """Casts the f16/bf16/f32 array leaves of ``tree`` to ``dtype``; other leaves stay."""
-  dtype = np.dtype(dtype)
-
-  def cast(x):
-    if _is_castable(x) and x.dtype != dtype:
-      return x.astype(dtype)
-    return x
-
-  return jax.tree.map(cast, tree)
 
 
 def _canonical_dtype(value: Any, field: str) -> np.dtype:
@@ -96,15 +78,15 @@ class Policy:
 
   def cast_to_param(self, tree: T) -> T:
     """Casts the f16/bf16/f32 leaves of ``tree`` to ``param_dtype``."""
-    return _cast_floating(tree, self.param_dtype)
+    return cast_floating(tree, self.param_dtype)
 
   def cast_to_compute(self, tree: T) -> T:
     """Casts the f16/bf16/f32 leaves of ``tree`` to ``compute_dtype``."""
-    return _cast_floating(tree, self.compute_dtype)
+    return cast_floating(tree, self.compute_dtype)
 
   def cast_to_output(self, tree: T) -> T:
     """Casts the f16/bf16/f32 leaves of ``tree`` to ``output_dtype``."""
-    return _cast_floating(tree, self.output_dtype)
+    return cast_floating(tree, self.output_dtype)
 
   def with_output_dtype(self, output_dtype: DTypeLike) -> Policy:
     """Returns this policy with ``output_dtype`` replaced."""

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import optax
 from flax import struct
 
-from mpjax._dtypes import is_floating
+from mpjax._dtypes import cast_floating, is_floating
 from mpjax.loss_scale import DynamicLossScale, LossScale, NoOpLossScale
 from mpjax.policy import Policy, get_policy
 
@@ -39,6 +39,10 @@ class TrainState(struct.PyTreeNode):
     loss_scale: a :class:`NoOpLossScale`, :class:`StaticLossScale` or
       :class:`DynamicLossScale`.
     skipped_steps: the number of steps skipped for non-finite gradients (int32).
+    model_state: the model's non-trained variables, such as BatchNorm running
+      statistics (Flax's ``batch_stats``): kept in f32, updated by the loss
+      function (see ``make_train_step(..., with_model_state=True)``), never by
+      the optimizer. An empty dict for models without any.
     apply_fn: the model's apply function (static), e.g. ``model.apply``.
     tx: the optax optimizer (static).
     policy: the precision :class:`Policy` (static: a new policy is a new
@@ -60,6 +64,7 @@ class TrainState(struct.PyTreeNode):
   opt_state: optax.OptState
   loss_scale: LossScale
   skipped_steps: jax.Array
+  model_state: Any
   apply_fn: Callable[..., Any] = struct.field(pytree_node=False)
   tx: optax.GradientTransformation = struct.field(pytree_node=False)
   policy: Policy = struct.field(pytree_node=False)
@@ -73,6 +78,7 @@ class TrainState(struct.PyTreeNode):
     tx: optax.GradientTransformation,
     policy: Policy | str | Any = "mixed_bf16",
     loss_scale: LossScale | None = None,
+    model_state: Any = None,
   ) -> TrainState:
     """Builds a state with step 0 and the optimizer initialised on the master params.
 
@@ -85,6 +91,8 @@ class TrainState(struct.PyTreeNode):
       loss_scale: the loss-scale state; ``None`` means the policy's default:
         :class:`DynamicLossScale` for fp16 compute, :class:`NoOpLossScale`
         otherwise.
+      model_state: non-trained model variables, e.g. ``{"batch_stats": ...}``
+        from ``model.init``; ``None`` means none. Floating leaves are kept f32.
 
     Returns:
       The new state.
@@ -119,12 +127,15 @@ class TrainState(struct.PyTreeNode):
     # the arrays the caller passed in.
     params = jax.tree.map(_own, policy.cast_to_param(params), params)
     loss_scale = jax.tree.map(lambda x: _own(x, x), loss_scale)
+    model_state = {} if model_state is None else model_state
+    model_state = jax.tree.map(_own, cast_floating(model_state, jnp.float32), model_state)
     return cls(
       step=jnp.zeros((), jnp.int32),
       params=params,
       opt_state=tx.init(params),
       loss_scale=loss_scale,
       skipped_steps=jnp.zeros((), jnp.int32),
+      model_state=model_state,
       apply_fn=apply_fn,
       tx=tx,
       policy=policy,

@@ -87,6 +87,7 @@ def make_train_step(
   cast_batch: bool = True,
   autocast: bool | None = None,
   autocast_rules: Mapping[str, str] | None = None,
+  with_model_state: bool = False,
 ) -> StepFn:
   """Builds a pure mixed-precision training step ``step(state, batch) -> (state, metrics)``.
 
@@ -124,6 +125,13 @@ def make_train_step(
       compute dtype f16 or bf16), where it is the faster path, and no otherwise.
     autocast_rules: ``rules`` for :func:`mpjax.autocast`, e.g.
       ``{"*head*": "fp32"}``.
+    with_model_state: for models with non-trained state such as BatchNorm
+      statistics (``state.model_state``). ``loss_fn`` is then
+      ``loss_fn(params, model_state, batch)`` and returns
+      ``(loss, new_model_state)`` or ``((loss, aux), new_model_state)``, the
+      shape of ``model.apply(..., mutable=["batch_stats"])``'s result. The new
+      state is kept in its old dtypes, averaged over ``axis_name``, and, like
+      everything else, left as it was on a skipped step.
 
   Returns:
     ``step(state, batch) -> (state, metrics)``; ``metrics`` holds ``loss``
@@ -165,25 +173,41 @@ def make_train_step(
         f"{type(state).__name__}."
       )
     policy, loss_scale = state.policy, state.loss_scale
+    if with_model_state:
+      model_fn = loss_fn
+    else:
+
+      def model_fn(params, model_state, batch):
+        return loss_fn(params, batch), model_state
+
     use_autocast = autocast if autocast is not None else _is_mixed(policy)
     if use_autocast:  # autocast casts params and batch where each operation uses them
-      run = autocast_fn(loss_fn, policy, rules=autocast_rules)
+      run = autocast_fn(model_fn, policy, rules=autocast_rules)
     else:
       compute_batch = policy.cast_to_compute(batch) if cast_batch else batch
 
-      def run(params, _):
-        return loss_fn(policy.cast_to_compute(params), compute_batch)
+      def run(params, model_state, _):
+        return model_fn(policy.cast_to_compute(params), model_state, compute_batch)
 
     def scaled_loss(params):
-      loss, aux = _split_loss(run(params, batch))
+      out = run(params, state.model_state, batch)
+      if not (isinstance(out, (tuple, list)) and len(out) == 2):
+        raise ValueError(
+          "with_model_state=True: loss_fn(params, model_state, batch) must return "
+          f"(loss, new_model_state) or ((loss, aux), new_model_state), got {type(out).__name__}."
+        )
+      loss, aux = _split_loss(out[0])
       loss = loss.astype(jnp.float32)
-      return loss_scale.scale(loss), (loss, aux)
+      return loss_scale.scale(loss), (loss, aux, _like(out[1], state.model_state))
 
     params = state.params if axis_name is None else _as_varying(state.params, axis_name)
-    grads, (loss, aux) = jax.grad(scaled_loss, has_aux=True)(params)
+    grads, (loss, aux, model_state) = jax.grad(scaled_loss, has_aux=True)(params)
     grads = loss_scale.unscale(grads)
     if axis_name is not None:
       grads, loss = lax.pmean((grads, loss), axis_name)
+      model_state = jax.tree.map(
+        lambda x: lax.pmean(x, axis_name) if is_floating(x) else x, model_state
+      )
     # One pass over the gradients gives both the norm and the finite check: the
     # sum of squares is non-finite iff some gradient is inf/NaN (or the norm
     # itself overflows f32, > 1.8e19, a step no one wants applied either).
@@ -193,18 +217,22 @@ def make_train_step(
       grads = jax.tree.map(lambda g: g * jnp.minimum(1.0, max_grad_norm / grad_norm), grads)
 
     def apply_update(operands):
-      params, opt_state, grads = operands
+      params, opt_state, _, grads, new_model_state = operands
       updates, new_opt_state = state.tx.update(_like(grads, params), opt_state, params)
       # apply_updates keeps each param's dtype; optimizers may not keep theirs.
-      return optax.apply_updates(params, updates), _like(new_opt_state, opt_state)
+      new_params = optax.apply_updates(params, updates)
+      return new_params, _like(new_opt_state, opt_state), new_model_state
 
     def keep(operands):
-      return operands[0], operands[1]
+      return operands[:3]
 
     # A conditional, not a select between two full copies of params and optimizer
     # state: a skipped step costs nothing and a finite one no extra pass.
-    params, opt_state = lax.cond(
-      grads_finite, apply_update, keep, (state.params, state.opt_state, grads)
+    params, opt_state, model_state = lax.cond(
+      grads_finite,
+      apply_update,
+      keep,
+      (state.params, state.opt_state, state.model_state, grads, model_state),
     )
     skipped = (~grads_finite).astype(jnp.int32)
     new_state = state.replace(
@@ -213,6 +241,7 @@ def make_train_step(
       opt_state=opt_state,
       loss_scale=loss_scale.adjust(grads_finite),
       skipped_steps=state.skipped_steps + skipped,
+      model_state=model_state,
     )
     metrics = {
       "loss": loss,

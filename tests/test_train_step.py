@@ -272,3 +272,55 @@ def test_bad_construction_input_is_named():
     mpjax.make_train_step("loss")
   with pytest.raises(TypeError, match="mpjax.TrainState"):
     mpjax.make_train_step(loss_fn)({"params": _params()}, _batch())
+
+
+class _BatchNormNet(nn.Module):
+  @nn.compact
+  def __call__(self, x, train: bool):
+    x = nn.Dense(16)(x)
+    x = nn.BatchNorm(use_running_average=not train, momentum=0.5)(x)
+    return nn.Dense(4)(nn.relu(x))
+
+
+@pytest.mark.parametrize("policy", ["mixed_bf16", "fp32"])
+def test_model_state_batchnorm_statistics_update_in_f32_and_match_the_f32_reference(policy):
+  net = _BatchNormNet()
+  batch = _batch()
+  variables = net.init(jax.random.key(0), batch["x"], train=False)
+
+  def bn_loss(params, model_state, batch):
+    logits, updates = net.apply(
+      {**params, **model_state}, batch["x"], train=True, mutable=["batch_stats"]
+    )
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), batch["y"])
+    return jnp.mean(loss), updates
+
+  state = mpjax.TrainState.create(
+    apply_fn=net.apply,
+    params={"params": variables["params"]},
+    model_state={"batch_stats": variables["batch_stats"]},
+    tx=optax.sgd(0.1),
+    policy=policy,
+  )
+  step = jax.jit(mpjax.make_train_step(bn_loss, with_model_state=True))
+  new_state, _ = step(state, batch)
+  # Reference: the same update of the running mean, computed in f32 by hand.
+  h = batch["x"] @ variables["params"]["Dense_0"]["kernel"] + variables["params"]["Dense_0"]["bias"]
+  expected_mean = 0.5 * variables["batch_stats"]["BatchNorm_0"]["mean"] + 0.5 * h.mean(0)
+  got_mean = new_state.model_state["batch_stats"]["BatchNorm_0"]["mean"]
+  chex.assert_type(got_mean, jnp.float32)
+  chex.assert_trees_all_close(got_mean, expected_mean, rtol=2e-2, atol=2e-2)
+  assert int(new_state.step) == 1
+
+  # A skipped step leaves the statistics bit-identical, like everything else.
+  bad = {**batch, "x": batch["x"].at[0, 0].set(jnp.inf)}
+  skipped_state, metrics = step(new_state, bad)
+  assert not bool(metrics["grads_finite"])
+  chex.assert_trees_all_equal(skipped_state.model_state, new_state.model_state)
+
+
+def test_model_state_loss_fn_must_return_a_pair():
+  state = mpjax.TrainState.create(apply_fn=MODEL.apply, params=_params(), tx=optax.sgd(0.1))
+  step = mpjax.make_train_step(lambda p, s, b: loss_fn(p, b), with_model_state=True)
+  with pytest.raises(ValueError, match=r"\(loss, new_model_state\)"):
+    jax.jit(step)(state, _batch())
