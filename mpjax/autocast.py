@@ -21,6 +21,13 @@ jaxpr equation by equation, choosing each operation's dtypes from its class
 
 A constant cast down to fp16 saturates at the largest finite value, so a
 ``-1e9`` attention mask becomes ``-65504``, not ``-inf``.
+
+Under differentiation the backward pass keeps each GEMM's compute-dtype
+operands and output and computes the cheap operations between GEMMs again
+(a ``jax.checkpoint`` around the function, see ``remat``), so what it keeps is
+half precision and a fraction of what the f32 function keeps. The traced
+program is cached per argument structure and abstract values, as ``jax.jit``
+caches its traces.
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ import fnmatch
 import functools
 import logging
 import math
-from collections import Counter, defaultdict
+from collections import Counter, OrderedDict, defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
@@ -39,6 +46,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax._src import config as jax_config
+from jax.ad_checkpoint import checkpoint_name
 from jax.extend import core as jcore
 
 from mpjax._dtypes import is_castable_dtype as _castable
@@ -107,6 +116,20 @@ _ENTERED = frozenset(
 )
 # Ops that only move data: a weight seen through one is still that weight.
 _VIEWS = frozenset("reshape transpose broadcast_in_dim squeeze expand_dims slice".split())
+
+# Under remat (see autocast), the backward pass keeps the compute-dtype operands
+# and the output of every GEMM and convolution autocast lowers (they carry this
+# checkpoint name), and the results of primitives in _KEPT or unknown to
+# autocast: costly to compute again (unlowered GEMMs, linear algebra, sorts,
+# cumulative ops) or small (reductions). It computes the rest again: the
+# elementwise and layout ops between GEMMs, in whatever precision they ran.
+_SAVED = "mpjax.autocast"
+_KEPT = frozenset(
+  "dot_general conv_general_dilated reduce_sum reduce_prod reduce_max reduce_min argmax argmin "
+  "reduce_and reduce_or cumsum cumprod cumlogsumexp cummax cummin sort top_k fft cholesky "
+  "triangular_solve lu qr eigh eig svd schur householder_product tridiagonal "
+  "tridiagonal_solve".split()
+)
 
 # How each value came about: from literals only; from the function's inputs
 # (or closed-over arrays) through views only; computed; or the result of a
@@ -183,6 +206,7 @@ class _Ctx:
   policy: Policy
   rules: _Rules
   level: str
+  remat: bool = False
   records: list[_Record] | None = None
   repeat: float = 1.0
 
@@ -238,21 +262,23 @@ def _flops_conv(eqn: Any) -> float:
   return 2.0 * math.prod(eqn.outvars[0].aval.shape) * per_output / eqn.params["batch_group_count"]
 
 
-def _lower(ctx: _Ctx, eqn: Any, invals: list[Any], kinds: list[int], compute: np.dtype):
-  """A GEMM or convolution with compute-dtype operands and f32 accumulation, or ``None``."""
+def _explicit(eqn: Any) -> bool:
+  """Whether a GEMM's dtypes were chosen by its author (a precision, a mixed or other dtype)."""
   lhs_t, rhs_t = (v.aval.dtype for v in eqn.invars)
   pet = eqn.params.get("preferred_element_type")
-  explicit = (
+  return (
     eqn.params.get("precision") is not None
     or (pet is not None and np.dtype(pet) != np.dtype(lhs_t))
     or lhs_t != rhs_t
     or not _castable(lhs_t)
   )
-  if explicit:
-    return None
-  # A computed f32 operand is cast here, so that the backward pass keeps the
-  # compute-dtype copy; an input (a weight) goes in as it is and is cast inside,
-  # so no low-precision copy of it is kept.
+
+
+def _lower(ctx: _Ctx, eqn: Any, invals: list[Any], kinds: list[int], compute: np.dtype):
+  """A GEMM or convolution with compute-dtype operands and f32 accumulation."""
+  # Computed operands come cast already (see _eval_jaxpr), so that the backward
+  # pass keeps the compute-dtype copy; an input (a weight) goes in as it is and
+  # is cast inside, so no low-precision copy of it is kept.
   ops = [x if k == _INPUT else _cast(x, compute, k) for x, k in zip(invals, kinds, strict=True)]
   if eqn.primitive.name == "dot_general":
     (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
@@ -263,6 +289,8 @@ def _lower(ctx: _Ctx, eqn: Any, invals: list[Any], kinds: list[int], compute: np
       k: v for k, v in eqn.params.items() if k not in ("precision", "preferred_element_type")
     }
     out = mixed_conv(ops[0], ops[1], tuple(sorted(conv_params.items())), compute)
+  if ctx.remat:
+    out = checkpoint_name(out, _SAVED)
   if ctx.level == "gemm_only":
     out = out.astype(eqn.outvars[0].aval.dtype)
   return [out]
@@ -271,10 +299,9 @@ def _lower(ctx: _Ctx, eqn: Any, invals: list[Any], kinds: list[int], compute: np
 def _run_class(
   ctx: _Ctx, eqn: Any, cls: str, invals: list[Any], kinds: list[int], compute: np.dtype
 ) -> list[Any]:
-  if cls == "lower":
-    out = _lower(ctx, eqn, invals, kinds, compute)
-    return out if out is not None else _bind(eqn, _as_traced(eqn, invals, kinds))
-  if cls == "keep":
+  if cls == "lower" and not _explicit(eqn):
+    return _lower(ctx, eqn, invals, kinds, compute)
+  if cls in ("lower", "keep"):
     return _bind(eqn, _as_traced(eqn, invals, kinds))
   traced = [np.dtype(v.aval.dtype) if _castable(v.aval.dtype) else None for v in eqn.invars]
   invals = list(invals)
@@ -323,6 +350,16 @@ def _eval_jaxpr(
 ) -> list[Any]:
   """Evaluates ``jaxpr`` with autocast; ``kinds`` says how each argument came about."""
   env: dict[Any, tuple[Any, int]] = {}
+  operands: dict[tuple[Any, np.dtype], Any] = {}
+
+  def operand(v, x, kind, dtype):
+    """A computed GEMM operand in ``dtype``: cast once, and under remat kept for the backward."""
+    if kind != _ACT:
+      return x
+    if (v, dtype) not in operands:
+      x = _cast(x, dtype)
+      operands[v, dtype] = checkpoint_name(x, _SAVED) if ctx.remat else x
+    return operands[v, dtype]
 
   def read(v):
     if isinstance(v, jcore.Literal):
@@ -354,6 +391,8 @@ def _eval_jaxpr(
         cls = "keep"
       elif cls == "fp32" and name in _FP16_RANGE and compute != np.dtype(jnp.float16):
         cls = "follow"
+      if cls == "lower" and not _explicit(eqn):
+        invals = [operand(*a, compute) for a in zip(eqn.invars, invals, in_kinds, strict=True)]
       outs = _run_class(ctx, eqn, cls, invals, in_kinds, compute)
       if all(k == _LIT for k in in_kinds):
         out_kind = _LIT
@@ -564,9 +603,35 @@ def _check(fn: Any, policy: Any, rules: Any, level: str) -> tuple[Policy, _Rules
   return policy, parsed
 
 
-def _run(ctx: _Ctx, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-  leaves, treedef = jax.tree.flatten((args, kwargs))
-  dynamic = [i for i, x in enumerate(leaves) if _is_array(x)]
+def _saved_for_backward(prim: Any, *_: Any, **params: Any) -> bool:
+  """The remat policy: what the backward pass keeps rather than computes again (see _SAVED)."""
+  if prim.name == "name":
+    return params["name"] == _SAVED
+  return prim.name in _KEPT or prim.name not in OP_CLASSES
+
+
+_CACHE_SIZE = 32
+
+
+def _trace(
+  fn: Callable[..., Any], leaves: list[Any], treedef: Any, dynamic: list[int], cache: OrderedDict
+) -> tuple[Any, Any, list[bool]]:
+  """``fn`` traced for these arguments: the closed jaxpr, output tree, which outputs are floats.
+
+  Cached as ``jax.jit`` caches its traces: by argument structure, static leaves,
+  the abstract values of array leaves and JAX's tracing configuration.
+  """
+  arrays = set(dynamic)
+  static = tuple((i, x) for i, x in enumerate(leaves) if i not in arrays)
+  avals = tuple(jax.typeof(leaves[i]) for i in dynamic)
+  try:
+    key = (treedef, static, avals, jax_config.trace_context())
+    hit = cache.get(key)
+  except TypeError:  # an unhashable static leaf
+    key, hit = None, None
+  if hit is not None:
+    cache.move_to_end(key)
+    return hit
 
   def flat_fn(*xs):
     full = list(leaves)
@@ -577,11 +642,32 @@ def _run(ctx: _Ctx, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
 
   closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*(leaves[i] for i in dynamic))
   out_leaves, out_tree = jax.tree.flatten(out_shape)
-  outs = _eval_closed(ctx, closed, [leaves[i] for i in dynamic], [_INPUT] * len(dynamic), "")
+  traced = closed, out_tree, [_castable(o.dtype) for o in out_leaves]
+  # A function that closes over another transformation's tracers is traced anew
+  # each call: its jaxpr holds them.
+  if key is not None and not any(isinstance(c, jax.core.Tracer) for c in closed.consts):
+    cache[key] = traced
+    if len(cache) > _CACHE_SIZE:
+      cache.popitem(last=False)
+  return traced
+
+
+def _run(ctx: _Ctx, fn: Callable[..., Any], args: tuple, kwargs: dict, cache: OrderedDict) -> Any:
+  leaves, treedef = jax.tree.flatten((args, kwargs))
+  dynamic = [i for i, x in enumerate(leaves) if _is_array(x)]
+  closed, out_tree, floating = _trace(fn, leaves, treedef, dynamic, cache)
+  # Side effects (prints, callbacks) would run again in the recomputation.
+  remat = ctx.remat and not closed.effects
+  ctx = dataclasses.replace(ctx, remat=remat)
+
+  def run(*xs):
+    return _eval_closed(ctx, closed, xs, [_INPUT] * len(xs), "")
+
+  if remat:
+    run = jax.checkpoint(run, policy=_saved_for_backward)
+  outs = run(*(leaves[i] for i in dynamic))
   out_dtype = np.dtype(ctx.policy.output_dtype)
-  outs = [
-    _cast(x, out_dtype) if _castable(s.dtype) else x for x, s in zip(outs, out_leaves, strict=True)
-  ]
+  outs = [_cast(x, out_dtype) if f else x for x, f in zip(outs, floating, strict=True)]
   return jax.tree.unflatten(out_tree, outs)
 
 
@@ -591,10 +677,11 @@ def autocast(
   *,
   rules: Mapping[str, str] | None = None,
   level: Literal["full", "gemm_only"] = "full",
+  remat: bool = True,
 ) -> Callable[..., Any]:
   """Returns ``fn`` with each of its operations run in the precision its class calls for.
 
-  The returned function has ``fn``'s signature. Each call traces ``fn`` (array
+  The returned function has ``fn``'s signature. It traces ``fn`` (array
   arguments become inputs; other leaves, such as ``train=True``, stay Python
   values) and evaluates the traced program under the classes in
   :data:`OP_CLASSES`: GEMMs and convolutions take ``policy.compute_dtype``
@@ -612,6 +699,12 @@ def autocast(
   A user's explicit choices stay: ``astype``, a GEMM's ``precision``, or a
   ``preferred_element_type`` that differs from its operands' dtype.
 
+  Like ``jax.jit``, it traces ``fn`` once per argument structure, static
+  leaves, and array shapes, dtypes and shardings, and reuses that trace: a
+  ``fn`` that reads Python state which changes between calls (a global flag, a
+  closed-over array rebound to a new one) sees it as it was when traced. Call
+  ``autocast`` again for a fresh function.
+
   Args:
     fn: any JAX function: a Flax ``model.apply``, an NNX module called through
       ``nnx.merge``, a loss function.
@@ -626,6 +719,14 @@ def autocast(
     level: ``"full"`` (every class) or ``"gemm_only"`` (only GEMMs and
       convolutions change: compute-dtype operands, f32 accumulation, results
       back in the traced dtype; everything else runs as traced).
+    remat: under differentiation, keep for the backward pass only what is
+      costly to compute again: each GEMM's and convolution's compute-dtype
+      operands and output, reductions, linear algebra, sorts. The elementwise
+      and layout operations between them (bias, activation, norm, softmax,
+      casts, in f32 where they ran in f32) are computed again from those
+      (``jax.checkpoint`` around ``fn``). ``False`` keeps what JAX keeps by
+      default. A ``fn`` with side effects (prints, callbacks) is not
+      rematerialised, so they run once.
 
   Returns:
     The autocast function.
@@ -649,11 +750,12 @@ def autocast(
     np.dtype(p.compute_dtype) != _F32 for _, p in parsed.scopes
   ):
     return fn
-  ctx = _Ctx(policy, parsed, level)
+  ctx = _Ctx(policy, parsed, level, remat)
+  cache: OrderedDict = OrderedDict()
 
   @functools.wraps(fn)
   def wrapped(*args: Any, **kwargs: Any) -> Any:
-    return _run(ctx, fn, args, kwargs)
+    return _run(ctx, fn, args, kwargs, cache)
 
   return wrapped
 
@@ -735,8 +837,8 @@ def autocast_report(
   """
   policy, parsed = _check(fn, policy, rules, level)
   records: list[_Record] = []
-  ctx = _Ctx(policy, parsed, level, records)
-  jax.eval_shape(lambda a, k: _run(ctx, fn, a, k), args, kwargs)
+  ctx = _Ctx(policy, parsed, level, records=records)
+  jax.eval_shape(lambda a, k: _run(ctx, fn, a, k, OrderedDict()), args, kwargs)
   by_class: dict[str, Counter] = defaultdict(Counter)
   by_module: dict[str, Counter] = defaultdict(Counter)
   for r in records:

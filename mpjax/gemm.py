@@ -6,10 +6,11 @@ one (``preferred_element_type=f32``) runs on the fast kernel. ``jax.grad`` of th
 latter still takes its backward GEMMs with an f32 cotangent, so they run in f32.
 :func:`mixed_dot_general` fixes both: every GEMM of the forward pass and of its
 gradient takes compute-dtype operands and accumulates in f32, the left operand
-is laid out with its contracting dimensions last (what the fast kernel needs),
-and the backward pass keeps the operands as they were given (an f32 weight is
-not copied to low precision here; a caller that casts it first, as Flax's
-``dtype=bfloat16`` modules do, hands in a copy that is kept).
+is laid out with its contracting dimensions last and transposed operands are
+stored row-major (what the fast kernel needs), and the backward pass keeps the
+operands as they were given (an f32 weight is not copied to low precision here;
+a caller that casts it first, as Flax's ``dtype=bfloat16`` modules do, hands in
+a copy that is kept).
 """
 
 from __future__ import annotations
@@ -35,12 +36,25 @@ def _free(ndim: int, contracting: Sequence[int], batch: Sequence[int]) -> list[i
   return [d for d in range(ndim) if d not in contracting and d not in batch]
 
 
+def _row_major(x: jax.Array) -> jax.Array:
+  """``x``, stored in row-major order: what the fast bf16 kernel needs of its operands.
+
+  XLA first treats a transpose as a change of layout, and upcasts a bf16 dot
+  whose operand is laid out that way to f32. Flattening behind a barrier makes
+  a transpose that reaches here a copy into row-major order; an operand stored
+  that way already passes for free. An explicitly sharded ``x`` keeps its
+  layout: reshaping it would need a sharding for the flat array.
+  """
+  sharding = _sharding_like(x, range(x.ndim))
+  if sharding is not None and any(axis is not None for axis in sharding.spec):
+    return lax.optimization_barrier(x)
+  return lax.optimization_barrier(x.reshape(-1)).reshape(x.shape)
+
+
 def _transpose_to(x: jax.Array, order: Sequence[int]) -> jax.Array:
   if list(order) == list(range(x.ndim)):
     return x
-  # The barrier keeps XLA from folding the transpose back into the dot, which
-  # would take the slow (upcasting) path again.
-  return lax.optimization_barrier(jnp.transpose(x, order))
+  return _row_major(jnp.transpose(x, order))
 
 
 def _sharding_like(target: jax.Array, labels: Sequence[int]) -> Any:
@@ -164,8 +178,9 @@ def _mixed_dot_fwd(lhs, rhs, dimension_numbers, compute_dtype, out_sharding):
 
 def _mixed_dot_bwd(dimension_numbers, compute_dtype, out_sharding, residuals, g):
   lhs, rhs = residuals
+  # The cotangent may arrive transposed (through a transpose after the GEMM).
   d_lhs, d_rhs = _grad_dots(
-    g.astype(compute_dtype),
+    _row_major(g.astype(compute_dtype)),
     lhs.astype(compute_dtype),
     rhs.astype(compute_dtype),
     dimension_numbers,

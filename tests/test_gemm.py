@@ -1,3 +1,5 @@
+import re
+
 import chex
 import flax.linen as nn
 import jax
@@ -59,6 +61,38 @@ def test_forward_and_both_backward_gemms_are_bf16_with_f32_accumulation(case):
   dots = _dots(jax.make_jaxpr(jax.grad(lambda a, b: loss(dot, a, b), (0, 1)))(lhs, rhs).jaxpr)
   assert len(dots) == 3
   assert set(dots) == {(("bfloat16", "bfloat16"), "float32")}
+
+
+def _compiled_dot_operands(fn, *args):
+  """The operand dtypes of every dot in the program XLA compiles ``fn`` to, fused ones included."""
+  text = jax.jit(fn).lower(*args).compile().as_text()
+  found = []
+  for computation in text.split("\n\n"):
+    dtypes = dict(re.findall(r"%([\w.-]+) = (\w+)\[", computation))
+    found += [
+      (dtypes[a], dtypes[b]) for a, b in re.findall(r" dot\(%([\w.-]+), %([\w.-]+)\)", computation)
+    ]
+  return found
+
+
+@pytest.mark.parametrize("case", ["dense", "attention_values"])
+@pytest.mark.parametrize("transposed_output", [False, True])
+def test_compiled_gradient_gemms_keep_bf16_operands(case, transposed_output):
+  # XLA:CPU silently runs a bf16 dot whose operand is stored transposed as an f32
+  # dot: the weight gradient's transposed activation, or a cotangent that comes
+  # back through a transpose and reshape of the GEMM's output (as attention's does).
+  lhs_shape, rhs_shape, dims = CASES[case]
+  lhs, rhs = jax.random.normal(jax.random.key(0), lhs_shape), jnp.ones(rhs_shape)
+  dot = mpjax.mixed_dot_general(jnp.bfloat16)
+
+  def loss(lhs, rhs):
+    out = dot(lhs, rhs, dims)
+    out = jnp.swapaxes(out, 0, 1).reshape(-1) if transposed_output else out
+    return jnp.sum(jnp.sin(out.astype(jnp.float32)))
+
+  operands = _compiled_dot_operands(jax.grad(loss, (0, 1)), lhs, rhs)
+  assert len(operands) == 3  # the forward GEMM (sin needs its output) and its two gradients
+  assert set(operands) == {("bf16", "bf16")}
 
 
 def test_flax_dense_keeps_f32_weights_and_gets_f32_gradients():
