@@ -19,12 +19,22 @@ Variants, each against ``plain fp32`` (``jax.value_and_grad`` + optax):
   with ``dtype=jnp.bfloat16``, in a plain step;
 - ``jmp cast``: jmp's recipe by hand: ``jmp.get_policy("params=float32,
   compute=bfloat16,output=float32")``, params and inputs cast to bf16, a plain
-  step.
+  step;
+- ``keras mixed_bfloat16``: the same models in Keras 3 on the JAX backend
+  (``Dense``, ``LayerNormalization``, ``MultiHeadAttention`` with a causal
+  mask) under ``keras.mixed_precision.set_global_policy("mixed_bfloat16")``,
+  trained the stateless way (``model.stateless_call`` and
+  ``optimizer.stateless_apply`` with Keras's Adam inside ``jax.jit``). Needs
+  ``pip install -e ".[bench]"``; skipped with a note when Keras is missing, and
+  by default with ``--small``.
 
 Per variant: the median step time and its ratio to ``plain fp32``; the
 activations saved for the backward pass (residuals that are not arguments,
 ``jax.ad_checkpoint``) and their ratio to fp32; tracing plus compiling time and
-its ratio to fp32. Prints a markdown table; ``--json`` writes the figures.
+its ratio to fp32; the share of GEMM FLOPs on the fast path from
+:func:`mpjax.audit.audit_jaxpr` of the traced step. Then the ceiling: a bare GEMM (the
+MLP's 4096x4096 layer at batch 256, and 2048^3) in f32 against bf16 x bf16 ->
+f32. Prints markdown tables; ``--json`` also writes every figure and the tables.
 
     python scripts/bench.py [--models mlp,transformer] [--rounds 15] [--json out.json]
 """
@@ -33,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -44,9 +55,11 @@ import jax.numpy as jnp
 import jmp
 import numpy as np
 import optax
+from jax import lax
 from jax._src.ad_checkpoint import saved_residuals
 
 import mpjax
+from mpjax.audit import audit_jaxpr
 
 
 class MLP(nn.Module):
@@ -102,12 +115,12 @@ class TransformerLM(nn.Module):
     return nn.Dense(self.vocab, dtype=self.dtype)(nn.LayerNorm(dtype=self.dtype)(x))
 
 
-def _workload(name: str, small: bool) -> tuple[Callable[[Any], nn.Module], Any, Callable]:
-  """(model factory by dtype, batch, loss(logits, batch)) for one workload."""
+def _workload(name: str, small: bool) -> tuple[Callable[[Any], nn.Module], Any, Callable, dict]:
+  """(model factory by dtype, batch, loss(logits, batch), model sizes) for one workload."""
   key = jax.random.key(0)
   if name == "mlp":
     sizes = (16, 32, 32, 8) if small else (1024, 4096, 4096, 1024)
-    batch_size = 4 if small else 256
+    batch_size = 8 if small else 256
     batch = {
       "x": jax.random.normal(key, (batch_size, sizes[0])),
       "y": jax.random.normal(jax.random.key(1), (batch_size, sizes[-1])),
@@ -116,6 +129,7 @@ def _workload(name: str, small: bool) -> tuple[Callable[[Any], nn.Module], Any, 
       lambda dtype: MLP(sizes[1:], dtype),
       batch,
       lambda out, batch: jnp.mean((out.astype(jnp.float32) - batch["y"]) ** 2),
+      dict(features=sizes),
     )
   dims = (
     dict(vocab=64, d_model=32, heads=4, mlp=64, layers=2)
@@ -131,12 +145,102 @@ def _workload(name: str, small: bool) -> tuple[Callable[[Any], nn.Module], Any, 
     lambda out, batch: optax.softmax_cross_entropy_with_integer_labels(
       out.astype(jnp.float32), batch["y"]
     ).mean(),
+    dict(dims, seq=seq),
   )
 
 
-def _variants(name: str, small: bool) -> dict[str, tuple[Callable, Callable, Callable]]:
-  """name -> (step, init_state, loss_of_params for residuals)."""
-  make_model, batch, loss = _workload(name, small)
+def _keras_models(keras: Any) -> tuple[Callable[..., Any], Callable[..., Any]]:
+  """Keras builders of the same two models: (mlp(features), transformer(**dims))."""
+  layers = keras.layers
+
+  def mlp(features):
+    widths = features[1:]
+    return keras.Sequential(
+      [keras.Input((features[0],))]
+      + [
+        layers.Dense(width, activation="relu" if i < len(widths) - 1 else None)
+        for i, width in enumerate(widths)
+      ]
+    )
+
+  class KerasBlock(layers.Layer):
+    def __init__(self, d_model, heads, mlp, **kwargs):
+      super().__init__(**kwargs)
+      self.norm1 = layers.LayerNormalization()
+      self.attention = layers.MultiHeadAttention(heads, d_model // heads)
+      self.norm2 = layers.LayerNormalization()
+      self.up = layers.Dense(mlp, activation="gelu")
+      self.down = layers.Dense(d_model)
+
+    def call(self, x):
+      h = self.norm1(x)
+      x = x + self.attention(h, h, use_causal_mask=True)
+      return x + self.down(self.up(self.norm2(x)))
+
+  class KerasLM(keras.Model):
+    def __init__(self, vocab, d_model, heads, mlp, layers, seq, **kwargs):
+      super().__init__(**kwargs)
+      self.embed = keras.layers.Embedding(vocab, d_model)
+      self.pos = keras.layers.Embedding(seq, d_model)
+      self.blocks = [KerasBlock(d_model, heads, mlp) for _ in range(layers)]
+      self.norm = keras.layers.LayerNormalization()
+      self.head = keras.layers.Dense(vocab)
+
+    def call(self, tokens):
+      x = self.embed(tokens) + self.pos(keras.ops.arange(tokens.shape[1]))
+      for block in self.blocks:
+        x = block(x)
+      return self.head(self.norm(x))
+
+  return mlp, KerasLM
+
+
+def _keras_variant(name: str, sizes: dict, batch: Any, loss: Callable) -> tuple | None:
+  """The Keras 3 ``mixed_bfloat16`` peer, trained statelessly in ``jax.jit``; None without Keras."""
+  os.environ["KERAS_BACKEND"] = "jax"  # read when keras is first imported
+  try:
+    import keras
+  except ImportError as e:
+    print(f"note: keras mixed_bfloat16 skipped: {e} (pip install -e '.[bench]')", flush=True)
+    return None
+  if keras.backend.backend() != "jax":
+    print(f"note: keras skipped: it was imported with the {keras.backend.backend()} backend.")
+    return None
+  mlp, lm = _keras_models(keras)
+  previous = keras.mixed_precision.global_policy()
+  keras.mixed_precision.set_global_policy("mixed_bfloat16")
+  try:  # layers take the policy when built; put the global one back after
+    keras.utils.set_random_seed(2)
+    model = mlp(sizes["features"]) if name == "mlp" else lm(**sizes)
+    model(batch["x"])
+  finally:
+    keras.mixed_precision.set_global_policy(previous)
+  optimizer = keras.optimizers.Adam(1e-4)
+  optimizer.build(model.trainable_variables)
+  non_trainable = [v.value for v in model.non_trainable_variables]
+
+  def loss_of(trainable, batch):
+    out, _ = model.stateless_call(trainable, non_trainable, batch["x"])
+    return loss(out, batch)
+
+  def step(carry, batch):
+    trainable, opt_vars = carry
+    value, grads = jax.value_and_grad(loss_of)(trainable, batch)
+    trainable, opt_vars = optimizer.stateless_apply(opt_vars, grads, trainable)
+    return (trainable, opt_vars), {"loss": value}
+
+  trainable = [jnp.copy(v.value) for v in model.trainable_variables]
+
+  def init():
+    # The step donates what it is given: copies, so the model keeps its own.
+    return [jnp.copy(v) for v in trainable], [jnp.copy(v.value) for v in optimizer.variables]
+
+  return jax.jit(step, donate_argnums=0), init, loss_of, trainable
+
+
+def _variants(name: str, small: bool, keras: bool) -> tuple[dict[str, tuple], Any]:
+  """(label -> (step, init_state, loss_of_params for residuals, its params), batch)."""
+  make_model, batch, loss, sizes = _workload(name, small)
   tx = optax.adam(1e-4)
   f32_model = make_model(None)
   params = f32_model.init(jax.random.key(2), batch["x"])
@@ -155,7 +259,7 @@ def _variants(name: str, small: bool) -> dict[str, tuple[Callable, Callable, Cal
       own = jax.tree.map(jnp.copy, params)  # the step donates it
       return own, tx.init(own)
 
-    return jax.jit(step, donate_argnums=0), init, loss_of
+    return jax.jit(step, donate_argnums=0), init, loss_of, params
 
   def with_mpjax(policy: str, autocast: bool = True):
     def loss_of(params, batch):
@@ -172,22 +276,23 @@ def _variants(name: str, small: bool) -> dict[str, tuple[Callable, Callable, Cal
       if autocast
       else lambda params, batch: loss_of(p.cast_to_compute(params), p.cast_to_compute(batch))
     )
-    return jax.jit(step, donate_argnums=0), init, run
+    return jax.jit(step, donate_argnums=0), init, run, params
 
   jmp_policy = jmp.get_policy("params=float32,compute=bfloat16,output=float32")
-  return (
-    {
-      "plain fp32": plain(f32_model),
-      "mpjax fp32": with_mpjax("fp32"),
-      "mpjax mixed_bf16 autocast": with_mpjax("mixed_bf16"),
-      "mpjax mixed_bf16 cast": with_mpjax("mixed_bf16", autocast=False),
-      "mpjax mixed_fp16 autocast": with_mpjax("mixed_fp16"),
-      "flax dtype=bf16": plain(make_model(jnp.bfloat16)),
-      "jmp cast": plain(f32_model, jmp_policy.cast_to_compute),
-    },
-    batch,
-    params,
-  )
+  variants = {
+    "plain fp32": plain(f32_model),
+    "mpjax fp32": with_mpjax("fp32"),
+    "mpjax mixed_bf16 autocast": with_mpjax("mixed_bf16"),
+    "mpjax mixed_bf16 cast": with_mpjax("mixed_bf16", autocast=False),
+    "mpjax mixed_fp16 autocast": with_mpjax("mixed_fp16"),
+    "flax dtype=bf16": plain(make_model(jnp.bfloat16)),
+    "jmp cast": plain(f32_model, jmp_policy.cast_to_compute),
+  }
+  if keras:
+    peer = _keras_variant(name, sizes, batch, loss)
+    if peer is not None:
+      variants["keras mixed_bfloat16"] = peer
+  return variants, batch
 
 
 def _residual_bytes(loss_of: Callable, params: Any, batch: Any) -> int:
@@ -199,15 +304,23 @@ def _residual_bytes(loss_of: Callable, params: Any, batch: Any) -> int:
   return total
 
 
-def bench(name: str, rounds: int, small: bool = False) -> dict[str, dict[str, float]]:
-  variants, batch, params = _variants(name, small)
+def bench(
+  name: str, rounds: int, small: bool = False, keras: bool = True
+) -> dict[str, dict[str, float]]:
+  variants, batch = _variants(name, small, keras)
   results: dict[str, dict[str, float]] = {}
   states = {}
-  for label, (step, init, loss_of) in variants.items():
+  for label, (step, init, loss_of, params) in variants.items():
     state = init()
     start = time.perf_counter()
-    compiled = step.lower(state, batch).compile()
+    traced = step.trace(state, batch)
+    compiled = traced.lower().compile()
     compile_s = time.perf_counter() - start
+    # The audit reads the program just traced (on a GPU also the compiled HLO).
+    on_gpu = jax.default_backend() == "gpu"
+    report = audit_jaxpr(
+      traced.jaxpr, platform=jax.default_backend(), hlo_text=compiled.as_text() if on_gpu else None
+    )
     for _ in range(3):  # warm up
       state, metrics = compiled(state, batch)
     jax.block_until_ready(metrics)
@@ -215,6 +328,7 @@ def bench(name: str, rounds: int, small: bool = False) -> dict[str, dict[str, fl
     results[label] = {
       "compile_s": compile_s,
       "residual_mib": _residual_bytes(loss_of, params, batch) / 2**20,
+      "fast_path_share": report.fast_path_share,
     }
   times: dict[str, list[float]] = {label: [] for label in variants}
   for _ in range(rounds):
@@ -235,17 +349,69 @@ def bench(name: str, rounds: int, small: bool = False) -> dict[str, dict[str, fl
   return results
 
 
+def ceiling(rounds: int, small: bool = False) -> dict[str, dict[str, float]]:
+  """A bare GEMM in f32 against bf16 x bf16 -> f32: what mixed precision can gain at most."""
+  shapes = {  # label: (M, K, N)
+    "mlp layer 256x4096 @ 4096x4096": (256, 4096, 4096),
+    "square 2048^3": (2048, 2048, 2048),
+  }
+  if small:
+    shapes = {"mlp layer 8x32 @ 32x32": (8, 32, 32), "square 64^3": (64, 64, 64)}
+  f32_dot = jax.jit(jnp.dot)
+  mixed_dot = jax.jit(lambda a, b: lax.dot(a, b, preferred_element_type=jnp.float32))
+  results = {}
+  for label, (m, k, n) in shapes.items():
+    a = jax.random.normal(jax.random.key(0), (m, k))
+    b = jax.random.normal(jax.random.key(1), (k, n))
+    runs = {
+      "f32": (f32_dot, (a, b)),
+      "bf16": (mixed_dot, (a.astype(jnp.bfloat16), b.astype(jnp.bfloat16))),
+    }
+    times: dict[str, list[float]] = {kind: [] for kind in runs}
+    for fn, operands in runs.values():
+      jax.block_until_ready(fn(*operands))  # compile and warm up
+      jax.block_until_ready(fn(*operands))
+    for _ in range(rounds):
+      for kind, (fn, operands) in runs.items():
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*operands))
+        times[kind].append(time.perf_counter() - start)
+    flops = 2.0 * m * k * n
+    r = {f"{kind}_ms": statistics.median(t) * 1e3 for kind, t in times.items()}
+    r["ratio"] = r["bf16_ms"] / r["f32_ms"]
+    r.update({f"{kind}_tflops": flops / (r[f"{kind}_ms"] * 1e-3) / 1e12 for kind in runs})
+    results[label] = r
+  return results
+
+
 def _table(name: str, results: dict[str, dict[str, float]]) -> str:
   lines = [
     f"**{name}**",
     "",
-    "| variant | step ms | vs fp32 | saved activations MiB | vs fp32 | compile s | vs fp32 |",
-    "|---|---|---|---|---|---|---|",
+    "| variant | step ms | vs fp32 | saved activations MiB | vs fp32 | compile s | vs fp32 "
+    "| fast path |",
+    "|---|---|---|---|---|---|---|---|",
   ]
   for label, r in results.items():
     lines.append(
       f"| {label} | {r['step_ms']:.1f} | {r['step_ratio']:.3f}x | {r['residual_mib']:.1f} | "
-      f"{r['residual_ratio']:.3f}x | {r['compile_s']:.2f} | {r['compile_ratio']:.2f}x |"
+      f"{r['residual_ratio']:.3f}x | {r['compile_s']:.2f} | {r['compile_ratio']:.2f}x | "
+      f"{100 * r['fast_path_share']:.0f}% |"
+    )
+  return "\n".join(lines)
+
+
+def _ceiling_table(results: dict[str, dict[str, float]]) -> str:
+  lines = [
+    "**ceiling: a bare GEMM**",
+    "",
+    "| GEMM | f32 ms | bf16 x bf16 -> f32 ms | vs f32 | f32 TFLOP/s | bf16 TFLOP/s |",
+    "|---|---|---|---|---|---|",
+  ]
+  for label, r in results.items():
+    lines.append(
+      f"| {label} | {r['f32_ms']:.2f} | {r['bf16_ms']:.2f} | {r['ratio']:.3f}x | "
+      f"{r['f32_tflops']:.3f} | {r['bf16_tflops']:.3f} |"
     )
   return "\n".join(lines)
 
@@ -255,15 +421,36 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, dict[str, float]]
   parser.add_argument("--models", default="mlp,transformer", help="comma-separated workloads")
   parser.add_argument("--rounds", type=int, default=15, help="timed interleaved rounds")
   parser.add_argument("--small", action="store_true", help="tiny shapes (a smoke test)")
-  parser.add_argument("--json", help="write the figures to this JSON file")
+  parser.add_argument(
+    "--keras",
+    choices=("auto", "yes", "no"),
+    default="auto",
+    help="run the Keras 3 peer (auto: yes, except with --small)",
+  )
+  parser.add_argument("--json", help="write every figure and the markdown tables to this file")
   args = parser.parse_args(argv)
+  keras = args.keras == "yes" or (args.keras == "auto" and not args.small)
+  if args.keras == "auto" and args.small:
+    print("note: keras mixed_bfloat16 skipped with --small (--keras yes runs it)\n")
   all_results = {}
+  tables = []
   for name in args.models.split(","):
-    all_results[name] = bench(name, args.rounds, args.small)
-    print(_table(name, all_results[name]), end="\n\n", flush=True)
+    all_results[name] = bench(name, args.rounds, args.small, keras)
+    tables.append(_table(name, all_results[name]))
+    print(tables[-1], end="\n\n", flush=True)
+  gemm_ceiling = ceiling(args.rounds, args.small)
+  tables.append(_ceiling_table(gemm_ceiling))
+  print(tables[-1], end="\n\n", flush=True)
   if args.json:
     with open(args.json, "w") as f:
-      json.dump(all_results, f, indent=2)
+      record = {
+        "device": str(jax.devices()[0].device_kind),
+        "backend": jax.default_backend(),
+        "results": all_results,
+        "ceiling": gemm_ceiling,
+        "markdown": "\n\n".join(tables),
+      }
+      json.dump(record, f, indent=2)
   return all_results
 
 

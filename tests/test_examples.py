@@ -88,3 +88,22 @@ def test_bench_script_runs_every_variant(capsys):
     # autocast saves bf16 activations and no bf16 weight copies: less than fp32
     assert table["mpjax mixed_bf16 autocast"]["residual_ratio"] < 0.9
   assert "| mpjax mixed_bf16 autocast |" in capsys.readouterr().out
+
+
+def test_bench_script_keras_peer_ceiling_and_json(tmp_path, capsys, monkeypatch):
+  import json
+
+  monkeypatch.setenv("KERAS_BACKEND", "jax")  # what the script sets before importing keras
+  pytest.importorskip("keras")
+  path = tmp_path / "bench.json"
+  args = ["--small", "--rounds", "1", "--models", "mlp", "--keras", "yes", "--json", str(path)]
+  results = _script("bench").main(args)
+  mlp = results["mlp"]
+  assert "keras mixed_bfloat16" in mlp
+  assert mlp["mpjax mixed_bf16 autocast"]["fast_path_share"] == 1.0
+  assert mlp["flax dtype=bf16"]["fast_path_share"] == 0.0  # bf16 x bf16 -> bf16 dots on CPU
+  record = json.loads(path.read_text())
+  assert record["results"] == json.loads(json.dumps(results))
+  assert len(record["ceiling"]) == 2 and all(r["bf16_ms"] > 0 for r in record["ceiling"].values())
+  out = capsys.readouterr().out
+  assert "| keras mixed_bfloat16 |" in record["markdown"] and record["markdown"] in out
