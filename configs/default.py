@@ -1,0 +1,39 @@
+"""The default experiment: a character-level transformer LM on Python's own source, mixed_bf16.
+
+    mpjax train                                  # this config
+    mpjax train --config.steps=100               # any value overridden
+    mpjax compare default --policies fp32,mixed_bf16,mixed_fp16
+
+The other configs import this one and override only what differs.
+"""
+
+import ml_collections
+
+
+def get_config() -> ml_collections.ConfigDict:
+  config = ml_collections.ConfigDict()
+  config.policy = "mixed_bf16"  # precision policy (mpjax.get_policy); MPJAX_POLICY overrides it
+  config.loss_scale = "default"  # "default" (dynamic for fp16, none otherwise), "dynamic", "none"
+  config.seed = 0  # seed of initialisation and of every batch (a batch is a function of step)
+  config.steps = 600  # training steps
+  config.batch_size = 32  # examples per step, split over the devices
+  config.learning_rate = 3e-3  # peak AdamW learning rate
+  config.warmup_steps = 50  # linear warm-up steps, then cosine decay to 0 at config.steps
+  config.weight_decay = 0.0  # AdamW weight decay
+  config.max_grad_norm = 1.0  # clip gradients to this global norm; 0 turns clipping off
+  config.log_every = 20  # steps between metric lines (metrics.jsonl and the progress bar)
+  config.eval_every = 200  # steps between test-set evaluations; 0 means only at the end
+  config.checkpoint_every = 200  # steps between checkpoints; 0 means only at the end
+  config.num_devices = 0  # data-parallel devices; 0 means all local devices
+  config.run_dir = ""  # checkpoints and metrics; "" means runs/<config name>
+  config.data = ml_collections.ConfigDict()
+  config.data.name = "char_corpus"  # mpjax.data.load_dataset name
+  config.data.seq_len = 64  # characters per training window
+  config.data.max_chars = 2_000_000  # characters of the standard library's source to use
+  config.model = ml_collections.ConfigDict()
+  config.model.name = "transformer_lm"  # "mlp", "cnn" or "transformer_lm"
+  config.model.d_model = 128  # width of the residual stream (a multiple of 8)
+  config.model.n_heads = 4  # attention heads (d_model / n_heads a multiple of 8)
+  config.model.n_layers = 2  # transformer blocks
+  config.model.d_ff = 512  # width of the GELU MLP (a multiple of 8)
+  return config

@@ -1,0 +1,149 @@
+"""The ``mpjax`` command line: train a config, compare precisions, audit a train step.
+
+    mpjax train                                   # configs/default.py, the char-level LM
+    mpjax train digits_cnn --config.steps=500     # any config, any value overridden
+    mpjax compare digits_mlp --policies fp32,mixed_bf16,mixed_fp16
+    mpjax doctor                                  # every GEMM of the default train step
+    MPJAX_POLICY=mixed_fp16 mpjax train           # switch precision without editing a file
+
+Bad input (an unknown config or key, a value of the wrong type, an invalid
+policy, an unwritable run directory) prints one line and exits with status 2.
+SIGINT or SIGTERM finishes the current step, writes a checkpoint and exits with
+128 + the signal number; the same command resumes the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import signal
+import sys
+from collections.abc import Sequence
+
+from mpjax.experiment import ConfigError, Experiment, compare, load_config, train
+
+__all__ = ["main"]
+
+_COMMANDS = {
+  "train": "train a config (default: configs/default.py), resuming from its run directory",
+  "compare": "train a config under several policies; write a table and plots",
+  "doctor": "audit every GEMM of a config's train step: dtypes, alignment, fast-path share",
+}
+
+
+def _parser() -> argparse.ArgumentParser:
+  parser = argparse.ArgumentParser(
+    prog="mpjax",
+    description="Mixed-precision training experiments with mpjax.",
+    epilog="Override any config value with --config.KEY=VALUE, e.g. --config.steps=100.",
+  )
+  commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+  for name, help_text in _COMMANDS.items():
+    sub = commands.add_parser(name, help=help_text, description=help_text)
+    sub.add_argument(
+      "config",
+      nargs="?" if name != "compare" else None,
+      default=None,
+      help="a config name in configs/ (e.g. digits_mlp) or a path to a .py config file",
+    )
+    if name == "compare":
+      sub.add_argument(
+        "--policies",
+        default="fp32,mixed_bf16,mixed_fp16",
+        help="comma-separated policies (default: %(default)s)",
+      )
+    if name != "doctor":
+      sub.add_argument("--run_dir", default=None, help="where checkpoints and metrics go")
+      sub.add_argument(
+        "--no_progress", action="store_true", help="no progress bar (e.g. in CI logs)"
+      )
+  return parser
+
+
+def _split_overrides(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+  """``--config.KEY=VALUE`` (or ``--config.KEY VALUE``) arguments apart from the rest."""
+  rest, overrides = [], []
+  args = list(argv)
+  while args:
+    arg = args.pop(0)
+    if arg.startswith("--config."):
+      if "=" not in arg and args:
+        arg = f"{arg}={args.pop(0)}"
+      overrides.append(arg)
+    else:
+      rest.append(arg)
+  return rest, overrides
+
+
+def _print_summary(summary: dict) -> None:
+  unit = summary["examples_unit"]
+  print(
+    f"{summary['config']} [{summary['policy']}] on {summary['devices']} device(s): "
+    f"{summary['steps']} steps, loss {summary['loss']:.4f}, test loss "
+    f"{summary['test_loss']:.4f}, test accuracy {summary['test_accuracy']:.4f}, "
+    f"{summary['steps_per_second']:.2f} steps/s ({summary['examples_per_second']:.0f} {unit}/s), "
+    f"{summary['skipped_steps']} skipped steps, step memory {summary['step_memory_mib']:.1f} MiB; "
+    f"run directory {summary['run_dir']}"
+  )
+
+
+def _doctor(config) -> None:
+  from mpjax.audit import audit
+
+  exp = Experiment(config)
+  state = exp.init_state()
+  batch = exp.put_batch(exp.dataset.batch(0, config.batch_size, config.seed))
+  print(audit(exp.make_step(), state, batch))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  """Runs the ``mpjax`` command line and returns its exit status.
+
+  Args:
+    argv: the arguments after ``mpjax``; default ``sys.argv[1:]``.
+
+  Returns:
+    0 on success, 2 on bad input, 128 + the signal number when training was
+    stopped by SIGINT or SIGTERM (after writing a checkpoint).
+
+  Example:
+    >>> import mpjax.cli
+    >>> mpjax.cli.main(["train", "no_such_config"])
+    2
+  """
+  args, overrides = _split_overrides(sys.argv[1:] if argv is None else argv)
+  parsed = _parser().parse_args(args)
+  try:
+    config = load_config(parsed.config, overrides)
+    if parsed.command == "doctor":
+      _doctor(config)
+      return 0
+    progress = not parsed.no_progress and sys.stderr.isatty()
+    if parsed.command == "compare":
+      policies = [p.strip() for p in parsed.policies.split(",") if p.strip()]
+      results = compare(config, policies, run_dir=parsed.run_dir, progress=progress)
+      summaries = list(results.values())
+      table = pathlib.Path(summaries[0]["run_dir"]).parent / "results.md"
+      if not summaries[-1]["interrupted"]:
+        print(table.read_text())
+        print(f"results written to {table}")
+    else:
+      summaries = [train(config, run_dir=parsed.run_dir, progress=progress)]
+      _print_summary(summaries[0])
+  except ConfigError as e:
+    print(f"mpjax: error: {e}", file=sys.stderr)
+    return 2
+  for summary in summaries:
+    if summary["interrupted"]:
+      signum = signal.Signals[summary["interrupted"]]
+      print(
+        f"mpjax: stopped by {summary['interrupted']} after step {summary['steps']}; "
+        f"checkpoint written to {summary['run_dir']}; rerun the same command to resume.",
+        file=sys.stderr,
+      )
+      return 128 + int(signum)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

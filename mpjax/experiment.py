@@ -1,0 +1,746 @@
+"""Experiments from configs: train one, resume it, compare precisions, on all local devices.
+
+A config is a Python file whose ``get_config()`` returns an ``ml_collections``
+``ConfigDict`` (see ``configs/default.py``). :func:`train` builds the dataset,
+the model, the :class:`~mpjax.TrainState` and the jitted step from it, trains
+with data parallelism over the local devices, logs metrics as JSONL, keeps
+orbax checkpoints that resume bit-identically, and returns a summary.
+:func:`compare` trains one config under several policies and writes a markdown
+table and plots. The ``mpjax`` command line (:mod:`mpjax.cli`) calls both.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import dataclasses
+import functools
+import importlib.util
+import inspect
+import json
+import math
+import os
+import pathlib
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from mpjax import data as data_lib
+from mpjax import models
+from mpjax.autocast import autocast
+from mpjax.loss_scale import DynamicLossScale, LossScale, NoOpLossScale
+from mpjax.policy import POLICY_ENV_VAR, Policy, get_policy
+from mpjax.train_state import TrainState
+from mpjax.train_step import make_train_step
+
+__all__ = ["ConfigError", "Experiment", "compare", "find_config", "load_config", "train"]
+
+MODELS: dict[str, type[nn.Module]] = {
+  "mlp": models.MLP,
+  "cnn": models.CNN,
+  "transformer_lm": models.TransformerLM,
+}
+LOSS_SCALES: dict[str, Callable[[], LossScale | None]] = {
+  "default": lambda: None,  # the policy's default: dynamic for fp16, none otherwise
+  "dynamic": DynamicLossScale,
+  "none": NoOpLossScale,
+}
+# Keys that may change between a run and its resumption.
+_RESUMABLE_KEYS = ("steps", "log_every", "eval_every", "checkpoint_every", "run_dir", "progress")
+
+
+class ConfigError(ValueError):
+  """A config, an override or a run directory that cannot be used; the message says why."""
+
+
+# --------------------------------------------------------------------------- configs
+
+
+def _repo_configs() -> pathlib.Path:
+  return pathlib.Path(__file__).resolve().parent.parent / "configs"
+
+
+def find_config(name: str | None = None) -> pathlib.Path:
+  """The config file for ``name``: a path, or a name in ``./configs`` or mpjax's own configs.
+
+  Args:
+    name: a path to a ``.py`` file, or a config name such as ``"digits_mlp"``;
+      ``None`` means ``"default"``.
+
+  Returns:
+    The path of the config file.
+
+  Raises:
+    ConfigError: if no such file exists.
+
+  Example:
+    >>> import mpjax.experiment as ex
+    >>> ex.find_config("digits_mlp").name
+    'digits_mlp.py'
+  """
+  name = name or "default"
+  path = pathlib.Path(name)
+  if path.suffix == ".py" or path.parent != pathlib.Path("."):
+    if path.is_file():
+      return path
+    raise ConfigError(f"config file {name} does not exist; pass a path to a .py config file.")
+  for folder in (pathlib.Path("configs"), _repo_configs()):
+    if (folder / f"{name}.py").is_file():
+      return folder / f"{name}.py"
+  names = sorted(p.stem for p in _repo_configs().glob("*.py") if not p.stem.startswith("_"))
+  raise ConfigError(f"unknown config {name!r}; use a path to a .py file or one of {names}.")
+
+
+@contextlib.contextmanager
+def _importable_from(folder: pathlib.Path) -> Iterator[None]:
+  """Lets a config import its siblings as Flax's examples do: ``from configs import default``."""
+  package = folder.name
+  for name in [n for n in sys.modules if n == package or n.startswith(package + ".")]:
+    origin = getattr(sys.modules[name], "__file__", None) or ""
+    if not origin.startswith(str(folder)):
+      del sys.modules[name]  # a same-named package from elsewhere
+  sys.path.insert(0, str(folder.parent))
+  try:
+    yield
+  finally:
+    sys.path.remove(str(folder.parent))
+
+
+def _parse_value(text: str) -> Any:
+  lowered = text.strip().lower()
+  if lowered in ("true", "false"):
+    return lowered == "true"
+  try:
+    return ast.literal_eval(text)
+  except (ValueError, SyntaxError):
+    return text
+
+
+def _apply_override(config: ml_collections.ConfigDict, override: str) -> None:
+  if "=" not in override:
+    raise ConfigError(f"override {override!r} has no value; write --config.KEY=VALUE.")
+  key, text = override.split("=", 1)
+  key = key.removeprefix("--").removeprefix("config.")
+  *parents, leaf = key.split(".")
+  node = config
+  for i, part in enumerate(parents):
+    node = node.get(part) if isinstance(node, ml_collections.ConfigDict) else None
+    if not isinstance(node, ml_collections.ConfigDict):
+      raise ConfigError(f"unknown config key {'.'.join(parents[: i + 1])!r} in --config.{key}.")
+  if leaf not in node:
+    known = ", ".join(sorted(node.keys()))
+    raise ConfigError(f"unknown config key {key!r}; the keys here are: {known}.")
+  old, value = node[leaf], _parse_value(text)
+  if isinstance(old, str) and not isinstance(value, str):
+    value = text  # a string field keeps the text as written, e.g. --config.policy=fp32
+  if isinstance(old, float) and isinstance(value, int) and not isinstance(value, bool):
+    value = float(value)
+  if isinstance(old, bool) != isinstance(value, bool) or not isinstance(value, type(old)):
+    raise ConfigError(
+      f"--config.{key}={text}: expected a value of type {type(old).__name__} "
+      f"(the default is {old!r}), got {type(value).__name__}."
+    )
+  node[leaf] = value
+
+
+def load_config(
+  name: str | os.PathLike | None = None, overrides: Sequence[str] = ()
+) -> ml_collections.ConfigDict:
+  """Loads a config file's ``get_config()``, applies overrides and checks every value.
+
+  Args:
+    name: a path or config name (see :func:`find_config`); ``None`` is the
+      default experiment.
+    overrides: ``"KEY=VALUE"`` strings (``--config.`` prefix allowed), e.g.
+      ``["steps=100", "model.d_model=64"]``; a value must have the type of the
+      default it replaces.
+
+  Returns:
+    The checked config. ``MPJAX_POLICY``, when set, decides the policy at
+    training time.
+
+  Raises:
+    ConfigError: on a missing file, an unknown key, a value of the wrong type,
+      or a value :func:`train` cannot use.
+
+  Example:
+    >>> import mpjax.experiment as ex
+    >>> config = ex.load_config("digits_mlp", ["steps=10"])
+    >>> config.steps, config.model.name
+    (10, 'mlp')
+  """
+  path = find_config(None if name is None else str(name)).resolve()
+  try:
+    with _importable_from(path.parent):
+      spec = importlib.util.spec_from_file_location(f"{path.parent.name}.{path.stem}", path)
+      module = importlib.util.module_from_spec(spec)
+      spec.loader.exec_module(module)
+      config = module.get_config()
+  except Exception as e:  # a broken config file: name it
+    raise ConfigError(f"config {path} failed to load: {type(e).__name__}: {e}") from None
+  if not isinstance(config, ml_collections.ConfigDict):
+    raise ConfigError(f"config {path}: get_config() must return an ml_collections.ConfigDict.")
+  config.name = config.get("name") or path.stem
+  for override in overrides:
+    _apply_override(config, override)
+  Experiment(config)  # checks every value now, before any work
+  return config
+
+
+# --------------------------------------------------------------------------- the experiment
+
+
+def _positive(config: ml_collections.ConfigDict, *keys: str, allow_zero: bool = False) -> None:
+  for key in keys:
+    value = config[key]
+    if not isinstance(value, int) or value < 0 or (value == 0 and not allow_zero):
+      bound = ">= 0" if allow_zero else ">= 1"
+      raise ConfigError(f"config.{key}={value!r} must be an integer {bound}.")
+
+
+@dataclasses.dataclass
+class Experiment:
+  """A config turned into dataset, model, policy, optimizer and mesh, checked at construction.
+
+  Attributes:
+    config: the config it was built from.
+    policy: the precision policy (``MPJAX_POLICY`` applied).
+    dataset: the :class:`mpjax.data.Dataset`.
+    model: the Flax module.
+    mesh: a one-axis (``"data"``) mesh over the devices used.
+
+  Example:
+    >>> import mpjax.experiment as ex
+    >>> e = ex.Experiment(ex.load_config("digits_mlp"))
+    >>> e.policy.compute_dtype
+    dtype(bfloat16)
+  """
+
+  config: ml_collections.ConfigDict
+  policy: Policy = dataclasses.field(init=False)
+  dataset: Any = dataclasses.field(init=False)
+  model: nn.Module = dataclasses.field(init=False)
+  mesh: Mesh = dataclasses.field(init=False)
+
+  def __post_init__(self) -> None:
+    config = self.config
+    try:
+      self.policy = get_policy(config.policy)
+    except ValueError as e:
+      raise ConfigError(f"config.policy: {e}") from None
+    if config.loss_scale not in LOSS_SCALES:
+      raise ConfigError(
+        f"config.loss_scale={config.loss_scale!r} is not one of {sorted(LOSS_SCALES)}."
+      )
+    _positive(config, "steps", "batch_size", "log_every")
+    _positive(config, "eval_every", "checkpoint_every", "num_devices", allow_zero=True)
+    _positive(config, "warmup_steps", allow_zero=True)
+    if not config.learning_rate > 0:
+      raise ConfigError(f"config.learning_rate={config.learning_rate!r} must be positive.")
+    devices = jax.local_devices()
+    n = config.num_devices or len(devices)
+    if n > len(devices):
+      raise ConfigError(
+        f"config.num_devices={n} but this process has {len(devices)} local devices; "
+        "use 0 for all of them."
+      )
+    if config.batch_size % n:
+      raise ConfigError(
+        f"config.batch_size={config.batch_size} is not divisible by the {n} devices it is "
+        f"split over; use a multiple of {n} or set config.num_devices."
+      )
+    self.mesh = Mesh(np.array(devices[:n]), ("data",))
+    data_kwargs = {k: v for k, v in config.data.items() if k != "name"}
+    try:
+      self.dataset = data_lib.load_dataset(config.data.name, **data_kwargs)
+    except (ValueError, TypeError) as e:
+      raise ConfigError(f"config.data: {e}") from None
+    model_kwargs = {k: v for k, v in config.model.items() if k != "name"}
+    if config.model.name not in MODELS:
+      raise ConfigError(f"config.model.name={config.model.name!r} is not one of {sorted(MODELS)}.")
+    if self.dataset.kind == "language_model":
+      model_kwargs.update(vocab_size=self.dataset.vocab_size, max_len=self.dataset.seq_len)
+    else:
+      model_kwargs.update(num_classes=self.dataset.num_classes)
+    try:
+      self.model = MODELS[config.model.name](**model_kwargs)
+    except (ValueError, TypeError) as e:
+      raise ConfigError(f"config.model: {e}") from None
+
+  # -- pieces of the step
+
+  @property
+  def takes_train_flag(self) -> bool:
+    return "train" in inspect.signature(type(self.model).__call__).parameters
+
+  def _inputs(self, batch: dict[str, Any]) -> Any:
+    return batch["tokens"] if self.dataset.kind == "language_model" else batch["x"]
+
+  def _labels(self, batch: dict[str, Any]) -> Any:
+    return batch["targets"] if self.dataset.kind == "language_model" else batch["y"]
+
+  def loss_fn(self, params: Any, model_state: Any, batch: dict[str, Any]) -> Any:
+    """The training loss (mean cross-entropy from f32 logits) and the new model state.
+
+    The loss carries the dataset's ``loss_multiplier`` (1 except for the
+    underflow task); metrics report it without.
+    """
+    variables = {**params, **model_state}
+    if model_state:
+      logits, new_state = self.model.apply(
+        variables, self._inputs(batch), train=True, mutable=list(model_state)
+      )
+    else:
+      kwargs = {"train": True} if self.takes_train_flag else {}
+      logits, new_state = self.model.apply(variables, self._inputs(batch), **kwargs), model_state
+    loss = optax.softmax_cross_entropy_with_integer_labels(
+      logits.astype(jnp.float32), self._labels(batch)
+    )
+    return jnp.mean(loss) * self.dataset.loss_multiplier, new_state
+
+  def eval_fn(self, params: Any, model_state: Any, batch: dict[str, Any]) -> dict[str, Any]:
+    """Summed loss, correct predictions and count over a test batch, in the policy's precision."""
+
+    def forward(params, model_state, inputs):
+      kwargs = {"train": False} if self.takes_train_flag else {}
+      return self.model.apply({**params, **model_state}, inputs, **kwargs)
+
+    if self.policy.param_dtype == jnp.float32 and self.policy.compute_dtype != jnp.float32:
+      logits = autocast(forward, self.policy)(params, model_state, self._inputs(batch))
+    else:
+      inputs = self.policy.cast_to_compute(self._inputs(batch))
+      logits = forward(self.policy.cast_to_compute(params), model_state, inputs)
+    logits = logits.astype(jnp.float32)
+    labels = self._labels(batch)
+    mask = batch["mask"].astype(jnp.float32)
+    mask = jnp.broadcast_to(mask.reshape(mask.shape + (1,) * (labels.ndim - 1)), labels.shape)
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+    correct = (jnp.argmax(logits, -1) == labels).astype(jnp.float32)
+    return {"loss": jnp.sum(loss * mask), "correct": jnp.sum(correct * mask), "n": jnp.sum(mask)}
+
+  def init_state(self) -> TrainState:
+    """The initial train state, replicated over the mesh."""
+    config = self.config
+    sample = self.dataset.batch(0, 1, config.seed)
+    kwargs = {"train": False} if self.takes_train_flag else {}
+    variables = self.model.init(jax.random.key(config.seed), self._inputs(sample), **kwargs)
+    params = {"params": variables["params"]}
+    model_state = {k: v for k, v in variables.items() if k != "params"}
+    schedule = optax.warmup_cosine_decay_schedule(
+      0.0, config.learning_rate, min(config.warmup_steps, config.steps - 1), config.steps
+    )
+    tx = optax.adamw(schedule, weight_decay=config.weight_decay)
+    if config.max_grad_norm:
+      tx = optax.chain(optax.clip_by_global_norm(config.max_grad_norm), tx)
+    state = TrainState.create(
+      apply_fn=self.model.apply,
+      params=params,
+      tx=tx,
+      policy=self.policy,
+      loss_scale=LOSS_SCALES[config.loss_scale](),
+      model_state=model_state,
+    )
+    return jax.device_put(state, NamedSharding(self.mesh, P()))
+
+  def put_batch(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+    """A host batch, split over the mesh's ``data`` axis."""
+    return jax.device_put(batch, NamedSharding(self.mesh, P("data")))
+
+  def make_step(self) -> Callable[[TrainState, Any], tuple[TrainState, dict[str, Any]]]:
+    """The jitted train step, donating the state."""
+    step = make_train_step(self.loss_fn, with_model_state=True)
+    return jax.jit(step, donate_argnums=0)
+
+  @functools.cached_property
+  def _eval_step(self) -> Callable[..., dict[str, Any]]:
+    return jax.jit(self.eval_fn)
+
+  def evaluate(self, state: TrainState) -> dict[str, float]:
+    """Mean loss and accuracy over the test split."""
+    totals = {"loss": 0.0, "correct": 0.0, "n": 0.0}
+    for batch in self.dataset.eval_batches(self.config.batch_size):
+      out = jax.device_get(self._eval_step(state.params, state.model_state, self.put_batch(batch)))
+      totals = {k: totals[k] + float(out[k]) for k in totals}
+    n = max(totals["n"], 1.0)
+    return {"test_loss": totals["loss"] / n, "test_accuracy": totals["correct"] / n}
+
+  def examples_per_step(self) -> int:
+    if self.dataset.kind == "language_model":
+      return self.config.batch_size * self.dataset.seq_len  # tokens
+    return self.config.batch_size
+
+
+# --------------------------------------------------------------------------- run directory
+
+
+def _run_dir(config: ml_collections.ConfigDict, run_dir: str | os.PathLike | None) -> pathlib.Path:
+  path = pathlib.Path(run_dir or config.run_dir or pathlib.Path("runs") / config.name)
+  try:
+    path.mkdir(parents=True, exist_ok=True)
+    probe = path / ".write_test"
+    probe.write_text("")
+    probe.unlink()
+  except OSError as e:
+    raise ConfigError(
+      f"run directory {path} is not writable ({e.strerror}); pass another with --run_dir."
+    ) from None
+  return path.resolve()
+
+
+def _comparable(config: ml_collections.ConfigDict) -> dict[str, Any]:
+  items = json.loads(config.to_json())
+  return {k: v for k, v in items.items() if k not in _RESUMABLE_KEYS}
+
+
+def _check_same_run(path: pathlib.Path, config: ml_collections.ConfigDict, policy: Policy) -> None:
+  saved = path / "config.json"
+  current = {**_comparable(config), "policy": str(policy)}
+  if saved.exists():
+    before = json.loads(saved.read_text())
+    changed = sorted(k for k in set(before) | set(current) if before.get(k) != current.get(k))
+    if changed:
+      raise ConfigError(
+        f"run directory {path} holds a run with a different config ({', '.join(changed)} "
+        "changed); resume it with the same config, or pass a new --run_dir."
+      )
+  else:
+    saved.write_text(json.dumps(current, indent=2, sort_keys=True))
+
+
+class _Metrics:
+  """Appends metrics as JSONL (and TensorBoard events when tensorboardX is installed)."""
+
+  def __init__(self, path: pathlib.Path, resume_from: int):
+    self.path = path / "metrics.jsonl"
+    if self.path.exists():  # lines past the checkpoint are replayed: drop them
+      kept = [
+        line
+        for line in self.path.read_text().splitlines()
+        if line and json.loads(line)["step"] <= resume_from
+      ]
+      self.path.write_text("".join(line + "\n" for line in kept))
+    self.file = self.path.open("a")
+    try:
+      from tensorboardX import SummaryWriter
+    except ImportError:
+      self.tb = None
+    else:
+      self.tb = SummaryWriter(str(path / "tensorboard"))
+
+  def write(self, step: int, values: dict[str, float]) -> None:
+    self.file.write(json.dumps({"step": step, **values}) + "\n")
+    self.file.flush()
+    if self.tb is not None:
+      for key, value in values.items():
+        self.tb.add_scalar(key, value, step)
+
+  def close(self) -> None:
+    self.file.close()
+    if self.tb is not None:
+      self.tb.close()
+
+
+@contextlib.contextmanager
+def _stop_on_signals() -> Iterator[dict[str, int]]:
+  """Turns SIGINT/SIGTERM into a request to stop after the current step."""
+  requested: dict[str, int] = {}
+  if threading.current_thread() is not threading.main_thread():
+    yield requested
+    return
+
+  def handler(signum, _frame):
+    requested["signal"] = signum
+
+  previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+  try:
+    yield requested
+  finally:
+    for s, h in previous.items():
+      signal.signal(s, h)
+
+
+def _last_logged(path: pathlib.Path, step: int) -> dict[str, Any]:
+  """The last training metrics logged up to ``step`` (for a run resumed at its end)."""
+  rows = _read_metrics(path) if (path / "metrics.jsonl").exists() else []
+  rows = [r for r in rows if r["step"] <= step]
+  return rows[-1] if rows else {}
+
+
+def _progress(total: int, initial: int, enabled: bool) -> Any:
+  from tqdm import tqdm
+
+  return tqdm(total=total, initial=initial, disable=not enabled, unit="step", dynamic_ncols=True)
+
+
+# --------------------------------------------------------------------------- train
+
+
+def train(
+  config: ml_collections.ConfigDict,
+  *,
+  run_dir: str | os.PathLike | None = None,
+  progress: bool = False,
+) -> dict[str, Any]:
+  """Trains a config, resuming from ``run_dir``'s latest checkpoint if there is one.
+
+  Each step's batch is a pure function of ``(seed, step)``, so a run that was
+  stopped (Ctrl-C, SIGTERM, or a crash after a checkpoint) and rerun with the
+  same run directory continues bit-identically on CPU. SIGINT and SIGTERM
+  finish the current step, write a checkpoint and return.
+
+  Args:
+    config: a config from :func:`load_config`.
+    run_dir: where checkpoints, ``metrics.jsonl``, ``config.json`` and
+      ``summary.json`` go; default ``config.run_dir`` or ``runs/<config name>``.
+    progress: show a progress bar (loss, loss scale, skipped steps, step time).
+
+  Returns:
+    The summary: final ``loss``, ``test_loss``, ``test_accuracy``,
+    ``steps_per_second``, ``examples_per_second`` (tokens for language
+    models), ``skipped_steps``, ``step_memory_mib`` (XLA's temporary memory of
+    the compiled step), ``policy``, ``devices``, ``steps``, ``interrupted``
+    (the signal's name, or ``None``) and ``run_dir``.
+
+  Raises:
+    ConfigError: if the config or run directory cannot be used.
+
+  Example:
+    >>> import tempfile, mpjax.experiment as ex
+    >>> config = ex.load_config("digits_mlp", ["steps=20", "log_every=10"])
+    >>> summary = ex.train(config, run_dir=tempfile.mkdtemp())
+    >>> summary["steps"], summary["skipped_steps"]
+    (20, 0)
+  """
+  exp = Experiment(config)
+  path = _run_dir(config, run_dir)
+  _check_same_run(path, config, exp.policy)
+  with _stop_on_signals() as stop:  # from here on, a signal means: checkpoint and stop
+    state = exp.init_state()
+    step_fn = exp.make_step()
+    options = ocp.CheckpointManagerOptions(max_to_keep=2, create=True)
+    with ocp.CheckpointManager(path / "checkpoints", options=options) as manager:
+      start = manager.latest_step() or 0
+      if start:
+        target = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
+        state = manager.restore(start, args=ocp.args.StandardRestore(target))
+      metrics_log = _Metrics(path, start)
+      compiled = step_fn.lower(state, exp.put_batch(exp.dataset.batch(0, config.batch_size, 0)))
+      compiled = compiled.compile()
+      memory = compiled.memory_analysis()
+      step_memory_mib = memory.temp_size_in_bytes / 2**20 if memory is not None else float("nan")
+      bar = _progress(config.steps, start, progress)
+      last = _last_logged(path, start)
+      timed_steps, timed_seconds, interrupted = 0, 0.0, None
+      it = tick_it = start
+      tick = time.perf_counter()
+      while it < config.steps:
+        batch = exp.put_batch(exp.dataset.batch(it, config.batch_size, config.seed))
+        state, metrics = compiled(state, batch)
+        it += 1
+        bar.update(1)
+        if it == start + 1:  # time from the end of the first step: it pays for warm-up
+          jax.block_until_ready(state)
+          tick, tick_it = time.perf_counter(), it
+        if it % config.log_every == 0 or it == config.steps or stop:
+          metrics = jax.device_get(metrics)
+          timed_steps += it - tick_it
+          timed_seconds += time.perf_counter() - tick
+          tick, tick_it = time.perf_counter(), it
+          last = {
+            "loss": float(metrics["loss"]) / exp.dataset.loss_multiplier,
+            "loss_scale": float(metrics["loss_scale"]),
+            "skipped_steps": int(state.skipped_steps),
+            "grad_norm": float(metrics["grad_norm"]),
+            "step_time_s": timed_seconds / timed_steps if timed_steps else float("nan"),
+          }
+          metrics_log.write(it, last)
+          bar.set_postfix(
+            loss=f"{last['loss']:.4f}",
+            scale=f"{last['loss_scale']:.0f}",
+            skipped=last["skipped_steps"],
+            ms=f"{1e3 * last['step_time_s']:.1f}",
+          )
+        if config.eval_every and it % config.eval_every == 0 and it < config.steps:
+          metrics_log.write(it, exp.evaluate(state))
+          tick, tick_it = time.perf_counter(), it
+        if (config.checkpoint_every and it % config.checkpoint_every == 0) or stop:
+          manager.save(it, args=ocp.args.StandardSave(state))
+        if stop:
+          interrupted = signal.Signals(stop["signal"]).name
+          break
+      bar.close()
+      if it == config.steps and manager.latest_step() != it:
+        manager.save(it, args=ocp.args.StandardSave(state))
+      manager.wait_until_finished()
+  evaluation = exp.evaluate(state)
+  metrics_log.write(it, evaluation)
+  metrics_log.close()
+  # No timed steps when resumed at the end: the rates are then NaN.
+  seconds_per_step = timed_seconds / timed_steps if timed_steps else float("nan")
+  summary = {
+    "config": config.name,
+    "policy": os.environ.get(POLICY_ENV_VAR, "").strip() or config.policy,
+    "dtypes": str(exp.policy),
+    "loss_scale": config.loss_scale,
+    "devices": exp.mesh.size,
+    "steps": it,
+    "loss": last.get("loss", float("nan")),
+    **evaluation,
+    "skipped_steps": int(state.skipped_steps),
+    "final_loss_scale": float(state.loss_scale.loss_scale),
+    "steps_per_second": 1.0 / seconds_per_step,
+    "examples_per_second": exp.examples_per_step() / seconds_per_step,
+    "examples_unit": "tokens" if exp.dataset.kind == "language_model" else "examples",
+    "step_memory_mib": step_memory_mib,
+    "interrupted": interrupted,
+    "run_dir": str(path),
+  }
+  (path / "summary.json").write_text(json.dumps(summary, indent=2))
+  return summary
+
+
+# --------------------------------------------------------------------------- compare
+
+
+def _read_metrics(run_dir: pathlib.Path) -> list[dict[str, Any]]:
+  lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+  return [row for row in map(json.loads, lines) if "loss" in row]
+
+
+def _table(config: ml_collections.ConfigDict, results: dict[str, dict[str, Any]]) -> str:
+  base = results.get("fp32")
+  unit = next(iter(results.values()))["examples_unit"] + "/s"
+  rows = [
+    f"| policy | ms/step | speedup vs fp32 | {unit} | step memory (MiB) | memory vs fp32 "
+    "| final loss | loss vs fp32 | test accuracy | accuracy vs fp32 (pp) | skipped steps |",
+    "|---|---|---|---|---|---|---|---|---|---|---|",
+  ]
+  for name, r in results.items():
+
+    def rel(key, r=r, fmt="{:.3f}x"):
+      if base is None or not base[key] or not math.isfinite(base[key]):
+        return "-"
+      return fmt.format(r[key] / base[key])
+
+    accuracy_diff = (
+      "-" if base is None else f"{100 * (r['test_accuracy'] - base['test_accuracy']):+.2f}"
+    )
+    loss_diff = "-" if base is None else f"{100 * (r['loss'] / base['loss'] - 1):+.2f}%"
+    rows.append(
+      f"| {name} | {1e3 / r['steps_per_second']:.2f} | "
+      f"{rel('steps_per_second')} | {r['examples_per_second']:.0f} | "
+      f"{r['step_memory_mib']:.1f} | {rel('step_memory_mib')} | {r['loss']:.4f} | {loss_diff} | "
+      f"{r['test_accuracy']:.4f} | {accuracy_diff} | {r['skipped_steps']} |"
+    )
+  return "\n".join(rows) + "\n"
+
+
+def _plot(results_dir: pathlib.Path, runs: dict[str, pathlib.Path], title: str) -> list[str]:
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  written = []
+  for key, ylabel, filename, log in (
+    ("loss", "training loss", "loss.png", False),
+    ("loss_scale", "loss scale", "loss_scale.png", True),
+  ):
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, run in runs.items():
+      rows = _read_metrics(run)
+      ax.plot([r["step"] for r in rows], [r[key] for r in rows], label=name)
+    ax.set_xlabel("step")
+    ax.set_ylabel(ylabel)
+    if log:
+      ax.set_yscale("log", base=2)
+    ax.set_title(f"{title}: {ylabel}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(results_dir / filename, dpi=100)
+    plt.close(fig)
+    written.append(filename)
+  return written
+
+
+def compare(
+  config: ml_collections.ConfigDict,
+  policies: Sequence[str],
+  *,
+  run_dir: str | os.PathLike | None = None,
+  progress: bool = False,
+) -> dict[str, dict[str, Any]]:
+  """Trains ``config`` under each policy and writes a comparison table and plots.
+
+  Each policy trains in ``run_dir/<policy>`` (resuming if stopped). The
+  results go to ``run_dir``: ``results.md`` (time per step, speedup over
+  fp32, examples or tokens per second, step memory, final loss and test
+  accuracy against fp32, skipped steps), ``results.json``, and ``loss.png`` and
+  ``loss_scale.png``.
+
+  Args:
+    config: a config from :func:`load_config`.
+    policies: policy names, e.g. ``["fp32", "mixed_bf16", "mixed_fp16"]``.
+    run_dir: the results folder; default ``runs/<config name>-compare``.
+    progress: show progress bars.
+
+  Returns:
+    The summary of each policy's run, by policy name.
+
+  Raises:
+    ConfigError: on an invalid policy, an empty list, or ``MPJAX_POLICY`` set
+      (it would override every policy in the list).
+
+  Example:
+    >>> import tempfile, mpjax.experiment as ex
+    >>> config = ex.load_config("digits_mlp", ["steps=10", "log_every=5"])
+    >>> results = ex.compare(config, ["fp32", "mixed_bf16"], run_dir=tempfile.mkdtemp())
+    >>> sorted(results)
+    ['fp32', 'mixed_bf16']
+  """
+  if os.environ.get(POLICY_ENV_VAR):
+    raise ConfigError(
+      f"{POLICY_ENV_VAR} is set, which would override every policy compared; unset it."
+    )
+  if not policies:
+    raise ConfigError("compare needs at least one policy, e.g. --policies fp32,mixed_bf16.")
+  for name in policies:
+    try:
+      get_policy(name)
+    except ValueError as e:
+      raise ConfigError(f"--policies: {e}") from None
+  results_dir = _run_dir(config, run_dir or pathlib.Path("runs") / f"{config.name}-compare")
+  results, runs = {}, {}
+  for name in policies:
+    run_config = ml_collections.ConfigDict(config.to_dict())
+    run_config.policy = name
+    runs[name] = results_dir / name
+    results[name] = train(run_config, run_dir=runs[name], progress=progress)
+    if results[name]["interrupted"]:
+      return results  # stopped: the same command resumes, then compares
+  table = _table(config, results)
+  plots = _plot(results_dir, runs, config.name)
+  (results_dir / "results.json").write_text(json.dumps(results, indent=2))
+  devices = next(iter(results.values()))["devices"]
+  header = (
+    f"# {config.name}: {', '.join(policies)}\n\n"
+    f"{config.steps} steps of batch {config.batch_size} on {devices} {jax.default_backend()} "
+    f"device(s), one run of each policy in one process; loss is the training loss at the last "
+    f"step, accuracy on the test split.\n\n"
+  )
+  images = "".join(f"![{p}]({p})\n" for p in plots)
+  (results_dir / "results.md").write_text(header + table + "\n" + images)
+  return results

@@ -1,0 +1,227 @@
+"""Experiments from configs and the ``mpjax`` command line, run as a user runs them."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import chex
+import jax
+import orbax.checkpoint as ocp
+import pytest
+
+from mpjax import cli
+from mpjax import experiment as ex
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIGS = sorted(p.stem for p in (ROOT / "configs").glob("*.py") if p.stem != "example")
+
+
+def _restore(run_dir, exp):
+  state = exp.init_state()
+  target = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
+  with ocp.CheckpointManager(Path(run_dir) / "checkpoints") as manager:
+    return manager.restore(manager.latest_step(), args=ocp.args.StandardRestore(target))
+
+
+# ------------------------------------------------------------------ configs and bad input
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_every_shipped_config_loads_and_builds(name):
+  config = ex.load_config(name)
+  exp = ex.Experiment(config)
+  assert config.name == name and exp.mesh.size == len(jax.local_devices())
+
+
+def test_overrides_keep_types_and_nested_keys():
+  config = ex.load_config("default", ["--config.steps=7", "model.d_model=64", "policy=fp32"])
+  assert (config.steps, config.model.d_model, config.policy) == (7, 64, "fp32")
+  config = ex.load_config("default", ["learning_rate=1"])  # an int where a float is expected
+  assert config.learning_rate == 1.0 and isinstance(config.learning_rate, float)
+
+
+@pytest.mark.parametrize(
+  "argv, message",
+  [
+    (["train", "no_such_config"], "unknown config 'no_such_config'"),
+    (["train", "missing/file.py"], "does not exist"),
+    (["train", "--config.stepz=3"], "unknown config key 'stepz'"),
+    (["train", "--config.model.widht=3"], "unknown config key 'model.widht'"),
+    (["train", "--config.steps=many"], "expected a value of type int"),
+    (["train", "--config.policy=mixed_bf61"], "config.policy"),
+    (["train", "--config.batch_size=0"], "config.batch_size=0"),
+    (["train", "--config.model.d_model=100"], "config.model"),
+    (["train", "--config.data.name=imagenet"], "config.data"),
+    (["compare", "digits_mlp", "--policies", "fp32,fp33"], "--policies"),
+  ],
+)
+def test_bad_input_is_one_line_and_exit_status_2(argv, message, capsys):
+  assert cli.main(argv) == 2
+  err = capsys.readouterr().err.strip()
+  assert err.startswith("mpjax: error: ") and "\n" not in err, err
+  assert message in err
+
+
+def test_unwritable_run_dir_is_one_line_and_exit_status_2(tmp_path, capsys):
+  blocker = tmp_path / "a_file"
+  blocker.write_text("")
+  assert cli.main(["train", "digits_mlp", "--run_dir", str(blocker / "run")]) == 2
+  err = capsys.readouterr().err.strip()
+  assert "is not writable" in err and "\n" not in err
+
+
+def test_resuming_with_a_different_config_is_refused(tmp_path):
+  ex.train(ex.load_config("digits_mlp", ["steps=4", "log_every=2"]), run_dir=tmp_path)
+  with pytest.raises(ex.ConfigError, match="learning_rate"):
+    ex.train(ex.load_config("digits_mlp", ["steps=8", "learning_rate=0.1"]), run_dir=tmp_path)
+
+
+def test_env_policy_overrides_the_config_but_not_compare(tmp_path, monkeypatch):
+  monkeypatch.setenv("MPJAX_POLICY", "mixed_fp16")
+  summary = ex.train(ex.load_config("digits_mlp", ["steps=3", "log_every=3"]), run_dir=tmp_path)
+  assert summary["policy"] == "mixed_fp16" and "compute_dtype=float16" in summary["dtypes"]
+  with pytest.raises(ex.ConfigError, match="MPJAX_POLICY is set"):
+    ex.compare(ex.load_config("digits_mlp"), ["fp32"], run_dir=tmp_path / "c")
+
+
+# ------------------------------------------------------------------ train, resume, signals
+
+
+def test_interrupted_run_resumes_bit_identically(tmp_path):
+  """SIGINT mid-run writes a checkpoint; rerunning ends exactly where an unbroken run ends."""
+  overrides = ["steps=300", "log_every=5", "policy=mixed_fp16"]
+  config = ex.load_config("digits_cnn", overrides)  # BatchNorm statistics and a dynamic scale
+  full = ex.train(config, run_dir=tmp_path / "full")
+
+  metrics = tmp_path / "broken" / "metrics.jsonl"
+
+  def interrupt_once_logging():
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+      time.sleep(0.001)
+    os.kill(os.getpid(), signal.SIGINT)
+
+  thread = threading.Thread(target=interrupt_once_logging, daemon=True)
+  thread.start()
+  first = ex.train(config, run_dir=tmp_path / "broken")
+  thread.join()
+  assert first["interrupted"] == "SIGINT" and first["steps"] < 300, first
+  resumed = ex.train(config, run_dir=tmp_path / "broken")
+  assert resumed["interrupted"] is None and resumed["steps"] == 300
+
+  exp = ex.Experiment(config)
+  a, b = _restore(tmp_path / "full", exp), _restore(tmp_path / "broken", exp)
+  chex.assert_trees_all_equal(a.params, b.params)
+  chex.assert_trees_all_equal(a.opt_state, b.opt_state)
+  chex.assert_trees_all_equal(a.model_state, b.model_state)
+  chex.assert_trees_all_equal(a.loss_scale, b.loss_scale)
+  assert (full["test_loss"], full["loss"]) == (resumed["test_loss"], resumed["loss"])
+  rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+  logged = [r["step"] for r in rows if "loss" in r]
+  assert logged == sorted(set(logged)), "metrics past the checkpoint were not dropped"
+
+
+def test_cli_sigterm_writes_a_checkpoint_and_the_same_command_resumes(tmp_path):
+  run_dir = tmp_path / "run"
+  argv = [sys.executable, "-m", "mpjax.cli", "train", "digits_mlp", "--run_dir", str(run_dir)]
+  argv += ["--no_progress", "--config.steps=20000", "--config.log_every=10"]
+  env = {k: v for k, v in os.environ.items() if k != "MPJAX_POLICY"}
+  proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+  deadline = time.time() + 120
+  metrics = run_dir / "metrics.jsonl"
+  while not (metrics.exists() and metrics.read_text()) and time.time() < deadline:
+    time.sleep(0.05)
+  proc.send_signal(signal.SIGTERM)
+  out, err = proc.communicate(timeout=120)
+  assert proc.returncode == 128 + signal.SIGTERM, err
+  assert "stopped by SIGTERM" in err and "Traceback" not in err
+  with ocp.CheckpointManager(run_dir / "checkpoints") as manager:
+    stopped_at = manager.latest_step()
+  assert 0 < stopped_at < 20000
+  logged = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+  assert max(logged) == stopped_at  # no finished, logged step is lost
+
+
+def test_train_cli_prints_a_summary_and_writes_the_run_directory(tmp_path, capsys):
+  run_dir = tmp_path / "run"
+  argv = ["train", "digits_mlp", "--run_dir", str(run_dir), "--config.steps=30"]
+  assert cli.main(argv + ["--config.log_every=10"]) == 0
+  out = capsys.readouterr().out
+  assert "30 steps" in out and "skipped steps" in out and "step memory" in out
+  summary = json.loads((run_dir / "summary.json").read_text())
+  assert summary["steps"] == 30 and summary["test_accuracy"] > 0.5
+  assert {"step", "loss", "loss_scale", "skipped_steps", "step_time_s"} <= set(
+    json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
+  )
+  assert (run_dir / "config.json").exists()
+
+
+# ------------------------------------------------------------------ evidence
+
+
+@pytest.mark.parametrize("name", ["digits_mlp", "digits_cnn"])
+def test_digits_mixed_precision_accuracy_within_half_a_point_of_fp32(name, tmp_path):
+  config = ex.load_config(name)
+  results = ex.compare(config, ["fp32", "mixed_bf16", "mixed_fp16"], run_dir=tmp_path)
+  base = results["fp32"]["test_accuracy"]
+  assert base > 0.9
+  for policy in ("mixed_bf16", "mixed_fp16"):
+    assert abs(results[policy]["test_accuracy"] - base) <= 0.005, results
+  table = (tmp_path / "results.md").read_text()
+  assert "speedup vs fp32" in table and "mixed_fp16" in table
+  assert (tmp_path / "loss.png").stat().st_size > 0 and (tmp_path / "loss_scale.png").exists()
+
+
+def test_char_lm_mixed_precision_loss_within_two_percent_of_fp32(tmp_path):
+  config = ex.load_config("default", ["steps=150", "log_every=50", "eval_every=0"])
+  results = ex.compare(config, ["fp32", "mixed_bf16", "mixed_fp16"], run_dir=tmp_path)
+  base = results["fp32"]["test_loss"]
+  assert base < 3.0  # learned something: uniform over ~100 characters is 4.6
+  for policy in ("mixed_bf16", "mixed_fp16"):
+    assert abs(results[policy]["test_loss"] / base - 1) < 0.02, results
+
+
+def test_underflow_demo_needs_loss_scaling_in_fp16(tmp_path):
+  runs = {
+    name: ex.train(ex.load_config("underflow_demo", overrides), run_dir=tmp_path / name)
+    for name, overrides in {
+      "fp32": ["policy=fp32"],
+      "fp16_unscaled": ["policy=mixed_fp16", "loss_scale=none"],
+      "fp16_scaled": ["policy=mixed_fp16", "loss_scale=dynamic"],
+    }.items()
+  }
+  base = runs["fp32"]["test_accuracy"]
+  assert base > 0.9
+  assert runs["fp16_unscaled"]["test_accuracy"] < base - 0.2, runs
+  assert abs(runs["fp16_scaled"]["test_accuracy"] - base) <= 0.02, runs
+
+
+def test_data_parallel_over_eight_host_devices(tmp_path):
+  code = (
+    "import json, sys, mpjax.experiment as ex\n"
+    "config = ex.load_config('digits_cnn', ['steps=20', 'log_every=10'])\n"
+    "print(json.dumps(ex.train(config, run_dir=sys.argv[1])))\n"
+  )
+  env = {k: v for k, v in os.environ.items() if k != "MPJAX_POLICY"}
+  env.update(XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+  proc = subprocess.run(
+    [sys.executable, "-c", code, str(tmp_path / "eight")],
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=300,
+    cwd=ROOT,
+  )
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  eight = json.loads(proc.stdout.strip().splitlines()[-1])
+  one = ex.train(
+    ex.load_config("digits_cnn", ["steps=20", "log_every=10", "num_devices=1"]),
+    run_dir=tmp_path / "one",
+  )
+  assert eight["devices"] == 8 and one["devices"] == 1
+  # The same global batches and the same math, summed in another order.
+  assert abs(eight["test_loss"] - one["test_loss"]) < 2e-2 * one["test_loss"]
