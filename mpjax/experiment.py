@@ -318,7 +318,7 @@ class Experiment:
       kwargs = {"train": False} if self.takes_train_flag else {}
       return self.model.apply({**params, **model_state}, inputs, **kwargs)
 
-    if self.policy.param_dtype == jnp.float32 and self.policy.compute_dtype != jnp.float32:
+    if self.policy.is_mixed:
       logits = autocast(forward, self.policy)(params, model_state, self._inputs(batch))
     else:
       inputs = self.policy.cast_to_compute(self._inputs(batch))
@@ -625,8 +625,9 @@ def _table(config: ml_collections.ConfigDict, results: dict[str, dict[str, Any]]
   unit = next(iter(results.values()))["examples_unit"] + "/s"
   rows = [
     f"| policy | ms/step | speedup vs fp32 | {unit} | step memory (MiB) | memory vs fp32 "
-    "| final loss | loss vs fp32 | test accuracy | accuracy vs fp32 (pp) | skipped steps |",
-    "|---|---|---|---|---|---|---|---|---|---|---|",
+    "| last train loss | test loss | test loss vs fp32 | test accuracy | accuracy vs fp32 (pp) "
+    "| skipped steps |",
+    "|---|---|---|---|---|---|---|---|---|---|---|---|",
   ]
   for name, r in results.items():
 
@@ -638,12 +639,13 @@ def _table(config: ml_collections.ConfigDict, results: dict[str, dict[str, Any]]
     accuracy_diff = (
       "-" if base is None else f"{100 * (r['test_accuracy'] - base['test_accuracy']):+.2f}"
     )
-    loss_diff = "-" if base is None else f"{100 * (r['loss'] / base['loss'] - 1):+.2f}%"
+    loss_diff = "-" if base is None else f"{100 * (r['test_loss'] / base['test_loss'] - 1):+.2f}%"
     rows.append(
       f"| {name} | {1e3 / r['steps_per_second']:.2f} | "
       f"{rel('steps_per_second')} | {r['examples_per_second']:.0f} | "
-      f"{r['step_memory_mib']:.1f} | {rel('step_memory_mib')} | {r['loss']:.4f} | {loss_diff} | "
-      f"{r['test_accuracy']:.4f} | {accuracy_diff} | {r['skipped_steps']} |"
+      f"{r['step_memory_mib']:.2f} | {rel('step_memory_mib')} | {r['loss']:.4f} | "
+      f"{r['test_loss']:.4f} | {loss_diff} | {r['test_accuracy']:.4f} | {accuracy_diff} | "
+      f"{r['skipped_steps']} |"
     )
   return "\n".join(rows) + "\n"
 
@@ -738,8 +740,8 @@ def compare(
   header = (
     f"# {config.name}: {', '.join(policies)}\n\n"
     f"{config.steps} steps of batch {config.batch_size} on {devices} {jax.default_backend()} "
-    f"device(s), one run of each policy in one process; loss is the training loss at the last "
-    f"step, accuracy on the test split.\n\n"
+    f"device(s), one run of each policy in one process. The last train loss is that of the last "
+    f"batch; test loss and accuracy cover the whole test split.\n\n"
   )
   images = "".join(f"![{p}]({p})\n" for p in plots)
   (results_dir / "results.md").write_text(header + table + "\n" + images)

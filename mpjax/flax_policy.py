@@ -49,7 +49,6 @@ from jax import lax
 from mpjax._dtypes import is_castable_dtype
 from mpjax.gemm import mixed_conv, mixed_dot, mixed_dot_general
 from mpjax.policy import Policy, get_policy
-from mpjax.train_step import _is_mixed
 
 __all__ = ["linen_kwargs", "nnx_apply_policy", "LAYER_KINDS"]
 
@@ -262,7 +261,7 @@ def linen_kwargs(
   policy = get_policy(policy)
   kinds = _layers(layer)
   kwargs: dict[str, Any] = {"dtype": policy.compute_dtype, "param_dtype": policy.param_dtype}
-  if _is_mixed(policy):
+  if policy.is_mixed:
     compute = np.dtype(policy.compute_dtype)
     if "dense" in kinds:
       kwargs["dot_general"] = _dot_general(compute)
@@ -395,7 +394,7 @@ def nnx_apply_policy(
     return any(path[:i] in excluded for i in range(len(path) + 1))
 
   compute, param = np.dtype(policy.compute_dtype), np.dtype(policy.param_dtype)
-  mixed = _is_mixed(policy)
+  mixed = policy.is_mixed
   half = jnp.finfo(compute).bits < 32
   for path, m in modules.items():
     if kept(path):

@@ -76,6 +76,14 @@ class Policy:
     for field in ("param_dtype", "compute_dtype", "output_dtype"):
       object.__setattr__(self, field, _canonical_dtype(getattr(self, field), field))
 
+  @property
+  def is_mixed(self) -> bool:
+    """f32 master params with f16/bf16 compute: the policies autocast is for."""
+    return self.param_dtype == np.float32 and self.compute_dtype in (
+      np.dtype(jnp.bfloat16),
+      np.dtype(jnp.float16),
+    )
+
   def cast_to_param(self, tree: T) -> T:
     """Casts the f16/bf16/f32 leaves of ``tree`` to ``param_dtype``."""
     return cast_floating(tree, self.param_dtype)

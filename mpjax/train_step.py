@@ -13,7 +13,6 @@ from jax import lax
 from mpjax._dtypes import is_floating
 from mpjax.autocast import autocast as autocast_fn
 from mpjax.loss_scale import all_finite
-from mpjax.policy import Policy
 from mpjax.train_state import TrainState
 
 __all__ = ["make_train_step"]
@@ -72,11 +71,6 @@ def _as_varying(tree: Any, axis_name: Hashable | Sequence[Hashable]) -> Any:
     return lax.pcast(x, missing, to="varying") if missing else x
 
   return jax.tree.map(vary, tree)
-
-
-def _is_mixed(policy: Policy) -> bool:
-  """f32 master params with half-precision compute: where autocast is the faster path."""
-  return policy.param_dtype == jnp.float32 and policy.compute_dtype in (jnp.bfloat16, jnp.float16)
 
 
 def make_train_step(
@@ -180,7 +174,7 @@ def make_train_step(
       def model_fn(params, model_state, batch):
         return loss_fn(params, batch), model_state
 
-    use_autocast = autocast if autocast is not None else _is_mixed(policy)
+    use_autocast = autocast if autocast is not None else policy.is_mixed
     if use_autocast:  # autocast casts params and batch where each operation uses them
       run = autocast_fn(model_fn, policy, rules=autocast_rules)
     else:
