@@ -1,9 +1,15 @@
 """mpjax: functional mixed-precision training for JAX and Flax."""
 
+from mpjax.audit import AuditReport as AuditReport
+from mpjax.audit import audit as audit
 from mpjax.autocast import OP_CLASSES as OP_CLASSES
 from mpjax.autocast import AutocastReport as AutocastReport
 from mpjax.autocast import autocast as autocast
 from mpjax.autocast import autocast_report as autocast_report
+from mpjax.data import Dataset as Dataset
+from mpjax.data import load_dataset as load_dataset
+from mpjax.flax_policy import linen_kwargs as linen_kwargs
+from mpjax.flax_policy import nnx_apply_policy as nnx_apply_policy
 from mpjax.gemm import mixed_dot_general as mixed_dot_general
 from mpjax.loss_scale import DynamicLossScale as DynamicLossScale
 from mpjax.loss_scale import LossScale as LossScale
@@ -23,6 +29,12 @@ from mpjax.xla import pad_to_multiple as pad_to_multiple
 __version__ = "0.1.0"
 
 __all__ = [
+  "AuditReport",
+  "Dataset",
+  "audit",
+  "linen_kwargs",
+  "load_dataset",
+  "nnx_apply_policy",
   "AutocastReport",
   "OP_CLASSES",
   "autocast",
