@@ -20,6 +20,8 @@ import signal
 import sys
 from collections.abc import Sequence
 
+import jax
+
 from mpjax.experiment import ConfigError, Experiment, compare, load_config, train
 
 __all__ = ["main"]
@@ -57,6 +59,19 @@ def _parser() -> argparse.ArgumentParser:
       sub.add_argument(
         "--no_progress", action="store_true", help="no progress bar (e.g. in CI logs)"
       )
+    if name == "train":
+      hosts = sub.add_argument_group(
+        "multi-process runs (jax.distributed.initialize; run the same command on every host)"
+      )
+      hosts.add_argument(
+        "--distributed",
+        action="store_true",
+        help="join a multi-process run: the cluster (SLURM, Open MPI, Kubernetes, Cloud TPU) "
+        "is detected, or JAX_COORDINATOR_ADDRESS and the flags below say it",
+      )
+      hosts.add_argument("--coordinator_address", help="HOST:PORT of process 0")
+      hosts.add_argument("--num_processes", type=int, help="how many processes take part")
+      hosts.add_argument("--process_id", type=int, help="this process's index, from 0")
   return parser
 
 
@@ -96,6 +111,20 @@ def _doctor(config) -> None:
   print(audit(exp.make_step(), state, batch))
 
 
+def _initialize_distributed(parsed: argparse.Namespace) -> None:
+  """``jax.distributed.initialize`` for ``train --distributed`` (or any of its flags)."""
+  explicit = {k: getattr(parsed, k) for k in ("coordinator_address", "num_processes", "process_id")}
+  if not parsed.distributed and all(v is None for v in explicit.values()):
+    return
+  try:
+    jax.distributed.initialize(**explicit)
+  except (ValueError, TypeError, RuntimeError) as e:
+    raise ConfigError(
+      f"--distributed: jax.distributed.initialize failed ({e}); outside a detected cluster "
+      "pass --coordinator_address HOST:PORT --num_processes N --process_id I on every host."
+    ) from None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
   """Runs the ``mpjax`` command line and returns its exit status.
 
@@ -114,6 +143,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   args, overrides = _split_overrides(sys.argv[1:] if argv is None else argv)
   parsed = _parser().parse_args(args)
   try:
+    if parsed.command == "train":  # before anything starts JAX's backend
+      _initialize_distributed(parsed)
     config = load_config(parsed.config, overrides)
     if parsed.command == "doctor":
       _doctor(config)

@@ -250,12 +250,12 @@ class Experiment:
     _positive(config, "warmup_steps", allow_zero=True)
     if not config.learning_rate > 0:
       raise ConfigError(f"config.learning_rate={config.learning_rate!r} must be positive.")
-    devices = jax.local_devices()
+    devices = jax.devices()  # every process's devices after jax.distributed.initialize
     n = config.num_devices or len(devices)
-    if n > len(devices):
+    if n > len(devices) or (jax.process_count() > 1 and n != len(devices)):
       raise ConfigError(
-        f"config.num_devices={n} but this process has {len(devices)} local devices; "
-        "use 0 for all of them."
+        f"config.num_devices={n} but this run has {len(devices)} devices over "
+        f"{jax.process_count()} process(es); use 0 for all of them."
       )
     if config.batch_size % n:
       raise ConfigError(
@@ -353,10 +353,11 @@ class Experiment:
       loss_scale=LOSS_SCALES[config.loss_scale](),
       model_state=model_state,
     )
-    return jax.device_put(state, NamedSharding(self.mesh, P()))
+    # From host values, which every process computes alike, onto all devices.
+    return jax.device_put(jax.device_get(state), NamedSharding(self.mesh, P()))
 
   def put_batch(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-    """A host batch, split over the mesh's ``data`` axis."""
+    """A global batch (the same on every process), split over the mesh's ``data`` axis."""
     return jax.device_put(batch, NamedSharding(self.mesh, P("data")))
 
   def make_step(self) -> Callable[[TrainState, Any], tuple[TrainState, dict[str, Any]]]:
@@ -390,7 +391,7 @@ def _run_dir(config: ml_collections.ConfigDict, run_dir: str | os.PathLike | Non
   path = pathlib.Path(run_dir or config.run_dir or pathlib.Path("runs") / config.name)
   try:
     path.mkdir(parents=True, exist_ok=True)
-    probe = path / ".write_test"
+    probe = path / f".write_test_{jax.process_index()}"
     probe.write_text("")
     probe.unlink()
   except OSError as e:
@@ -416,15 +417,21 @@ def _check_same_run(path: pathlib.Path, config: ml_collections.ConfigDict, polic
         f"run directory {path} holds a run with a different config ({', '.join(changed)} "
         "changed); resume it with the same config, or pass a new --run_dir."
       )
-  else:
+  elif jax.process_index() == 0:
     saved.write_text(json.dumps(current, indent=2, sort_keys=True))
 
 
 class _Metrics:
-  """Appends metrics as JSONL (and TensorBoard events when tensorboardX is installed)."""
+  """Appends metrics as JSONL (and TensorBoard events when tensorboardX is installed).
+
+  Only process 0 of a multi-process run writes; the others' ``write`` does nothing.
+  """
 
   def __init__(self, path: pathlib.Path, resume_from: int):
     self.path = path / "metrics.jsonl"
+    self.file = self.tb = None
+    if jax.process_index() != 0:
+      return
     if self.path.exists():  # lines past the checkpoint are replayed: drop them
       kept = [
         line
@@ -441,6 +448,8 @@ class _Metrics:
       self.tb = SummaryWriter(str(path / "tensorboard"))
 
   def write(self, step: int, values: dict[str, float]) -> None:
+    if self.file is None:
+      return
     self.file.write(json.dumps({"step": step, **values}) + "\n")
     self.file.flush()
     if self.tb is not None:
@@ -448,7 +457,8 @@ class _Metrics:
         self.tb.add_scalar(key, value, step)
 
   def close(self) -> None:
-    self.file.close()
+    if self.file is not None:
+      self.file.close()
     if self.tb is not None:
       self.tb.close()
 
@@ -541,7 +551,7 @@ def train(
       compiled = compiled.compile()
       memory = compiled.memory_analysis()
       step_memory_mib = memory.temp_size_in_bytes / 2**20 if memory is not None else float("nan")
-      bar = _progress(config.steps, start, progress)
+      bar = _progress(config.steps, start, progress and jax.process_index() == 0)
       last = _last_logged(path, start)
       timed_steps, timed_seconds, interrupted = 0, 0.0, None
       it = tick_it = start
@@ -608,7 +618,8 @@ def train(
     "interrupted": interrupted,
     "run_dir": str(path),
   }
-  (path / "summary.json").write_text(json.dumps(summary, indent=2))
+  if jax.process_index() == 0:
+    (path / "summary.json").write_text(json.dumps(summary, indent=2))
   return summary
 
 

@@ -79,6 +79,7 @@ def make_train_step(
   axis_name: Hashable | Sequence[Hashable] | None = None,
   max_grad_norm: float | None = None,
   cast_batch: bool = True,
+  cast_params: bool = True,
   autocast: bool | None = None,
   autocast_rules: Mapping[str, str] | None = None,
   with_model_state: bool = False,
@@ -114,6 +115,10 @@ def make_train_step(
       unscaling).
     cast_batch: without autocast, cast the batch's f16/bf16/f32 leaves to the
       compute dtype; turn off for inputs that must stay f32.
+    cast_params: without autocast, cast the params to the compute dtype. Turn
+      off (with ``autocast=False``) for a model that takes the policy itself
+      (built with :func:`mpjax.linen_kwargs` or :func:`mpjax.nnx_apply_policy`):
+      it then gets the f32 masters and casts each weight where it uses it.
     autocast: run ``loss_fn`` under :func:`mpjax.autocast` with the state's
       policy. ``None`` (default) means yes for mixed policies (param dtype f32,
       compute dtype f16 or bf16), where it is the faster path, and no otherwise.
@@ -181,7 +186,8 @@ def make_train_step(
       compute_batch = policy.cast_to_compute(batch) if cast_batch else batch
 
       def run(params, model_state, _):
-        return model_fn(policy.cast_to_compute(params), model_state, compute_batch)
+        params = policy.cast_to_compute(params) if cast_params else params
+        return model_fn(params, model_state, compute_batch)
 
     def scaled_loss(params):
       out = run(params, state.model_state, batch)

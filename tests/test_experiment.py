@@ -18,7 +18,7 @@ from mpjax import cli
 from mpjax import experiment as ex
 
 ROOT = Path(__file__).resolve().parent.parent
-CONFIGS = sorted(p.stem for p in (ROOT / "configs").glob("*.py") if p.stem != "example")
+CONFIGS = sorted(p.stem for p in (ROOT / "configs").glob("*.py"))
 
 
 def _restore(run_dir, exp):
@@ -225,3 +225,43 @@ def test_data_parallel_over_eight_host_devices(tmp_path):
   assert eight["devices"] == 8 and one["devices"] == 1
   # The same global batches and the same math, summed in another order.
   assert abs(eight["test_loss"] - one["test_loss"]) < 2e-2 * one["test_loss"]
+
+
+def _free_port():
+  import socket
+
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def test_two_processes_train_as_one_run_of_their_devices(tmp_path):
+  """`mpjax train --coordinator_address ...` on 2 processes x 2 devices = 1 process x 4."""
+  args = ["train", "digits_mlp", "--config.steps=12", "--config.log_every=6", "--no_progress"]
+  env = {k: v for k, v in os.environ.items() if k != "MPJAX_POLICY"}
+  env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
+  command = [sys.executable, "-m", "mpjax.cli", *args, "--run_dir", str(tmp_path / "two")]
+  address = f"127.0.0.1:{_free_port()}"
+  procs = [
+    subprocess.Popen(
+      [*command, "--coordinator_address", address, "--num_processes=2", f"--process_id={i}"],
+      env=env,
+      stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE,
+      text=True,
+      cwd=ROOT,
+    )
+    for i in range(2)
+  ]
+  outs = [p.communicate(timeout=300) for p in procs]
+  assert [p.returncode for p in procs] == [0, 0], outs[0][1][-3000:] + outs[1][1][-3000:]
+  env.update(XLA_FLAGS="--xla_force_host_platform_device_count=4")
+  command[-1] = str(tmp_path / "four")
+  proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  two, four = (json.loads((tmp_path / d / "summary.json").read_text()) for d in ("two", "four"))
+  assert two["devices"] == four["devices"] == 4
+  # process 0 alone wrote the metrics: one line per log step and one evaluation
+  assert len((tmp_path / "two" / "metrics.jsonl").read_text().splitlines()) == 3
+  for key in ("loss", "test_loss", "test_accuracy"):
+    assert two[key] == pytest.approx(four[key], rel=1e-5), key

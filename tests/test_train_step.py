@@ -103,6 +103,28 @@ def test_policy_casting_module_without_dtype_computes_in_the_compute_dtype():
   assert seen[-1][1] == jnp.float32
 
 
+def test_cast_params_false_hands_the_f32_masters_to_a_model_that_takes_the_policy():
+  seen = []
+  model = nn.Dense(4, **mpjax.linen_kwargs("mixed_bf16"))
+
+  def loss_fn(params, batch):
+    seen.append(jax.tree.leaves(params)[0].dtype)
+    logits = model.apply(params, batch["x"]).astype(jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+  params = model.init(jax.random.key(1), jnp.ones((1, 8)))
+  state = mpjax.TrainState.create(
+    apply_fn=model.apply, params=params, tx=optax.sgd(0.5), policy="mixed_bf16"
+  )
+  step = mpjax.make_train_step(loss_fn, autocast=False, cast_params=False)
+  jaxpr = jax.make_jaxpr(step)(state, _batch())
+  assert seen[-1] == jnp.float32
+  # the model casts each weight where it uses it: every GEMM bf16 x bf16, forward and backward
+  assert _gemm_operand_dtypes(jaxpr.jaxpr) and set(_gemm_operand_dtypes(jaxpr.jaxpr)) == {
+    ("bfloat16", "bfloat16")
+  }
+
+
 def _gemm_operand_dtypes(jaxpr):
   dtypes = []
   for eqn in jaxpr.eqns:
