@@ -47,6 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax._src import config as jax_config
+from jax._src import source_info_util
 from jax.ad_checkpoint import checkpoint_name
 from jax.extend import core as jcore
 
@@ -209,6 +210,9 @@ class _Ctx:
   remat: bool = False
   records: list[_Record] | None = None
   repeat: float = 1.0
+  # In a custom_jvp rule, GEMMs may take tangents, which reverse mode transposes:
+  # they run as plain compute-dtype GEMMs, not through mixed_dot's custom_vjp.
+  linear: bool = False
 
   def scaled(self, repeat: float) -> _Ctx:
     return dataclasses.replace(self, repeat=self.repeat * repeat)
@@ -283,12 +287,14 @@ def _lower(ctx: _Ctx, eqn: Any, invals: list[Any], kinds: list[int], compute: np
   if eqn.primitive.name == "dot_general":
     (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
     dims = ((tuple(lc), tuple(rc)), (tuple(lb), tuple(rb)))
-    out = mixed_dot(ops[0], ops[1], dims, compute, eqn.params.get("out_sharding"))
+    dot = mixed_dot.fun if ctx.linear else mixed_dot
+    out = dot(ops[0], ops[1], dims, compute, eqn.params.get("out_sharding"))
   else:
     conv_params = {
       k: v for k, v in eqn.params.items() if k not in ("precision", "preferred_element_type")
     }
-    out = mixed_conv(ops[0], ops[1], tuple(sorted(conv_params.items())), compute)
+    conv = mixed_conv.fun if ctx.linear else mixed_conv
+    out = conv(ops[0], ops[1], tuple(sorted(conv_params.items())), compute)
   if ctx.remat:
     out = checkpoint_name(out, _SAVED)
   if ctx.level == "gemm_only":
@@ -371,53 +377,59 @@ def _eval_jaxpr(
   for v, x, k in zip(jaxpr.invars, args, kinds, strict=True):
     env[v] = (x, k)
 
+  base = source_info_util.current_name_stack()
   for eqn in jaxpr.eqns:
-    invals, in_kinds = zip(*map(read, eqn.invars), strict=True) if eqn.invars else ((), ())
-    invals, in_kinds = list(invals), list(in_kinds)
-    name = eqn.primitive.name
-    local = str(eqn.source_info.name_stack)
-    path = "/".join(p for p in (prefix, local) if p)
-    if name in _ENTERED:
-      outs = _enter(ctx, eqn, invals, in_kinds, path)
-      out_kind = _ACT
-    else:
-      policy = _scope(ctx, path)
-      compute = np.dtype(policy.compute_dtype)
-      cls = ctx.rules.classes.get(name)
-      if cls is None:
-        _warn_unknown(name)
-        cls = "keep"
-      if compute == _F32 or (ctx.level == "gemm_only" and cls != "lower"):
-        cls = "keep"
-      elif cls == "fp32" and name in _FP16_RANGE and compute != np.dtype(jnp.float16):
-        cls = "follow"
-      if cls == "lower" and not _explicit(eqn):
-        invals = [operand(*a, compute) for a in zip(eqn.invars, invals, in_kinds, strict=True)]
-      outs = _run_class(ctx, eqn, cls, invals, in_kinds, compute)
-      if all(k == _LIT for k in in_kinds):
-        out_kind = _LIT
-      elif name in _VIEWS and in_kinds[0] in (_INPUT, _GEMM):
-        out_kind = in_kinds[0]
-      elif cls == "lower":  # f32 scopes were turned to "keep" above
-        out_kind = _GEMM
-      else:
+    # Each operation is bound under its equation's name stack (after the one
+    # it runs in, e.g. jvp()) and traceback, as jax.core.eval_jaxpr binds it:
+    # module paths survive for audit, profiles and HLO metadata.
+    info = eqn.source_info
+    with source_info_util.user_context(info.traceback, name_stack=base + info.name_stack):
+      invals, in_kinds = zip(*map(read, eqn.invars), strict=True) if eqn.invars else ((), ())
+      invals, in_kinds = list(invals), list(in_kinds)
+      name = eqn.primitive.name
+      local = str(eqn.source_info.name_stack)
+      path = "/".join(p for p in (prefix, local) if p)
+      if name in _ENTERED:
+        outs = _enter(ctx, eqn, invals, in_kinds, path)
         out_kind = _ACT
-      if ctx.records is not None:
-        flops = 0.0
-        if name == "dot_general":
-          flops = _flops_dot(eqn)
-        elif name == "conv_general_dilated":
-          flops = _flops_conv(eqn)
-        out_dtype = next((o.dtype for o in outs if hasattr(o, "dtype")), None)
-        traced_half = any(
-          _castable(v.aval.dtype) and np.dtype(v.aval.dtype).itemsize < 4 for v in eqn.invars
-        )
-        lowered = flops > 0 and (
-          traced_half or (cls == "lower" and eqn.params.get("precision") is None)
-        )
-        ctx.records.append(
-          _Record(path, cls, str(out_dtype), flops * ctx.repeat, lowered, ctx.repeat)
-        )
+      else:
+        policy = _scope(ctx, path)
+        compute = np.dtype(policy.compute_dtype)
+        cls = ctx.rules.classes.get(name)
+        if cls is None:
+          _warn_unknown(name)
+          cls = "keep"
+        if compute == _F32 or (ctx.level == "gemm_only" and cls != "lower"):
+          cls = "keep"
+        elif cls == "fp32" and name in _FP16_RANGE and compute != np.dtype(jnp.float16):
+          cls = "follow"
+        if cls == "lower" and not _explicit(eqn):
+          invals = [operand(*a, compute) for a in zip(eqn.invars, invals, in_kinds, strict=True)]
+        outs = _run_class(ctx, eqn, cls, invals, in_kinds, compute)
+        if all(k == _LIT for k in in_kinds):
+          out_kind = _LIT
+        elif name in _VIEWS and in_kinds[0] in (_INPUT, _GEMM):
+          out_kind = in_kinds[0]
+        elif cls == "lower":  # f32 scopes were turned to "keep" above
+          out_kind = _GEMM
+        else:
+          out_kind = _ACT
+        if ctx.records is not None:
+          flops = 0.0
+          if name == "dot_general":
+            flops = _flops_dot(eqn)
+          elif name == "conv_general_dilated":
+            flops = _flops_conv(eqn)
+          out_dtype = next((o.dtype for o in outs if hasattr(o, "dtype")), None)
+          traced_half = any(
+            _castable(v.aval.dtype) and np.dtype(v.aval.dtype).itemsize < 4 for v in eqn.invars
+          )
+          lowered = flops > 0 and (
+            traced_half or (cls == "lower" and eqn.params.get("precision") is None)
+          )
+          ctx.records.append(
+            _Record(path, cls, str(out_dtype), flops * ctx.repeat, lowered, ctx.repeat)
+          )
     for v, x in zip(eqn.outvars, outs, strict=True):
       if not isinstance(v, jcore.DropVar):
         env[v] = (x, out_kind)
@@ -546,7 +558,10 @@ def _custom_jvp(ctx, eqn, invals, kinds, path):
       *_avals_as(primals, in_avals), *_avals_as(tangents, in_avals)
     )
     tkinds = [_ACT] * len(tangents)
-    outs = _eval_closed(ctx, jvp_jaxpr, [*primals, *tangents], [*kinds, *tkinds], path)
+    # Reverse mode transposes what the rule does to tangents: no checkpoint
+    # names (JAX names no tangent either) and no custom_vjp GEMMs.
+    plain = dataclasses.replace(ctx, remat=False, linear=True)
+    outs = _eval_closed(plain, jvp_jaxpr, [*primals, *tangents], [*kinds, *tkinds], path)
     n = len(out_dtypes)
     primal_out = [_cast(o, d) for o, d in zip(outs[:n], out_dtypes, strict=True)]
     tangent_out = [

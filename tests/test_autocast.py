@@ -693,6 +693,118 @@ def test_a_minus_1e9_constant_saturates_to_the_fp16_maximum():
   assert _rel(jnp.where(mask, out, 0), jnp.where(mask, fn(w, x), 0)) < 3e-2
 
 
+# --- Name stacks --------------------------------------------------------------------------------
+
+
+class _ScanLayer(nn.Module):
+  @nn.compact
+  def __call__(self, x, _):
+    return nn.relu(nn.Dense(16, name="inner")(x)), None
+
+
+@jax.custom_jvp
+def _matmul(x, w):
+  return x @ w
+
+
+_matmul.defjvp(lambda p, t: (_matmul(*p), t[0] @ p[1] + p[0] @ t[1]))
+
+
+class Scoped(nn.Module):
+  """Named GEMMs in Flax's scan and remat, a jit, a cond and a custom_jvp with GEMMs in its rule."""
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.Dense(16, name="first")(x)
+    scan = nn.scan(_ScanLayer, variable_axes={"params": 0}, split_rngs={"params": True}, length=2)
+    x, _ = scan(name="stack")(x, None)
+    x = nn.remat(nn.Dense)(16, name="rem")(x)
+    w1, w2, w3 = (self.param(f"w{i}", nn.initializers.lecun_normal(), (16, 16)) for i in range(3))
+    with jax.named_scope("jitted"):
+      x = jax.jit(lambda a, b: jnp.tanh(a @ b))(x, w1)
+    with jax.named_scope("branch"):
+      x = lax.cond(jnp.sum(x) > 0, lambda a: a @ w2, lambda a: a @ w2.T, x)
+    with jax.named_scope("custom"):
+      x = _matmul(x, w3)
+    return nn.Dense(4, name="head")(x)
+
+
+SCOPES = {"first", "inner", "rem", "jitted", "branch", "custom", "head"}
+
+
+def _gemm_paths(jaxpr, prefix=""):
+  """The name stack of every GEMM from the top (as mpjax.audit reads it), nested ones included."""
+  paths = []
+  for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns:
+    path = "/".join(p for p in (prefix, str(eqn.source_info.name_stack)) if p)
+    if eqn.primitive.name in GEMMS:
+      paths.append(path)
+    for inner in jcore.jaxprs_in_params(eqn.params):
+      paths += _gemm_paths(inner, path)
+  return paths
+
+
+def _scope_of(path):
+  """The one module or named scope of ``SCOPES`` that ``path`` names."""
+  (scope,) = SCOPES.intersection(path.split("/"))
+  return scope
+
+
+def _by_pass(paths):
+  """The scopes of forward GEMMs, and of the backward (transposed) ones."""
+  forward = {_scope_of(p) for p in paths if not p.startswith("transpose(")}
+  backward = {_scope_of(p) for p in paths if p.startswith("transpose(jvp(")}
+  return forward, backward
+
+
+@functools.cache
+def _scoped_case():
+  x = _normal(0, (2, 16))
+  model = Scoped()
+  params = _init(model, jax.random.key(1), x)["params"]
+  return model, params, x, lambda apply, params, x: apply({"params": params}, x)
+
+
+def test_every_gemm_keeps_its_module_path_forward_and_backward():
+  model, params, x, forward = _scoped_case()
+  cast = mpjax.autocast(model.apply)
+  plain_fwd = _gemm_paths(jax.make_jaxpr(functools.partial(forward, model.apply))(params, x))
+  cast_fwd = _gemm_paths(jax.make_jaxpr(functools.partial(forward, cast))(params, x))
+  assert sorted(cast_fwd) == sorted(plain_fwd)
+  assert {_scope_of(p) for p in cast_fwd} == SCOPES
+  plain_loss, cast_loss = _loss(forward, model.apply), _loss(forward, cast)
+  plain = _gemm_paths(jax.make_jaxpr(jax.grad(plain_loss))(params, x))
+  paths = _gemm_paths(jax.make_jaxpr(jax.grad(cast_loss))(params, x))
+  assert _by_pass(paths) == _by_pass(plain) == (SCOPES, SCOPES), paths
+  assert all(p.startswith(("jvp(Scoped)/", "transpose(jvp(")) for p in paths), paths
+  # The custom_jvp rule's GEMMs (which take tangents) are transposed under jax.grad.
+  _assert_close(jax.grad(cast_loss)(params, x), jax.grad(plain_loss)(params, x))
+
+
+def test_a_module_rule_still_matches_a_flax_module_under_grad():
+  model, params, x, forward = _mlp_case()
+  loss = _loss(forward, mpjax.autocast(model.apply, rules={"*head*": "fp32"}))
+  jaxpr = jax.make_jaxpr(jax.grad(loss))(params, x)
+  dtypes = {}
+  for eqn, path in zip(
+    (e for e in _eqns(jaxpr) if e.primitive.name == "dot_general"), _gemm_paths(jaxpr), strict=True
+  ):
+    dtypes.setdefault(path.split("/")[-1], set()).add(_in_dtypes(eqn))
+  assert dtypes == {"Dense_0": {(BF16, BF16)}, "Dense_1": {(BF16, BF16)}, "head": {(F32, F32)}}
+
+
+def test_audit_rows_of_an_autocast_function_name_their_modules():
+  model, params, x, forward = _scoped_case()
+  cast = mpjax.autocast(model.apply)
+  rows = mpjax.audit(functools.partial(forward, cast), params, x).rows
+  plain = mpjax.audit(functools.partial(forward, model.apply), params, x).rows
+  assert sorted(r.path for r in rows) == sorted(r.path for r in plain)
+  loss = _loss(forward, cast)
+  paths = [r.path for r in mpjax.audit(jax.grad(loss), params, x).rows]
+  assert _by_pass(paths) == (SCOPES, SCOPES), paths
+  assert "jvp(Scoped)/head" in paths
+
+
 # --- 7: bad input -------------------------------------------------------------------------------
 
 
