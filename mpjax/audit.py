@@ -98,7 +98,23 @@ def _hlo_dtype(name: str) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
-class CompiledGemm:
+class _Operands:
+  """The operand and result shapes and dtypes (numpy names) that every GEMM record carries.
+
+  A base of :class:`CompiledGemm` and :class:`GemmRow`: its fields come first
+  in their constructors, ``repr`` and ``to_dict``.
+  """
+
+  lhs_shape: tuple[int, ...]
+  rhs_shape: tuple[int, ...]
+  out_shape: tuple[int, ...]
+  lhs_dtype: str
+  rhs_dtype: str
+  out_dtype: str
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledGemm(_Operands):
   """One GEMM or convolution of compiled HLO, and the call it became.
 
   Attributes:
@@ -126,12 +142,6 @@ class CompiledGemm:
   call: str
   kind: str
   op: str
-  lhs_shape: tuple[int, ...]
-  rhs_shape: tuple[int, ...]
-  out_shape: tuple[int, ...]
-  lhs_dtype: str
-  rhs_dtype: str
-  out_dtype: str
   dims: Mapping[str, int] = dataclasses.field(default_factory=dict)
   op_name: str = ""
   epilogue: str = ""
@@ -479,7 +489,7 @@ def parse_compiled_gemms(hlo_text: str) -> list[CompiledGemm]:
 
 
 @dataclasses.dataclass(frozen=True)
-class GemmRow:
+class GemmRow(_Operands):
   """One GEMM or convolution of the audited program.
 
   Attributes:
@@ -517,12 +527,6 @@ class GemmRow:
 
   op: str
   path: str
-  lhs_shape: tuple[int, ...]
-  rhs_shape: tuple[int, ...]
-  out_shape: tuple[int, ...]
-  lhs_dtype: str
-  rhs_dtype: str
-  out_dtype: str
   precision: str
   dims: Mapping[str, int]
   alignment: int | None

@@ -47,7 +47,7 @@ from flax.nnx.nn import dtypes as nnx_dtypes
 from jax import lax
 
 from mpjax._dtypes import is_castable_dtype
-from mpjax.gemm import mixed_conv, mixed_dot, mixed_dot_general
+from mpjax.gemm import _same_as_operands, mixed_conv, mixed_dot_general
 from mpjax.policy import Policy, get_policy
 
 __all__ = ["linen_kwargs", "nnx_apply_policy", "LAYER_KINDS"]
@@ -59,57 +59,14 @@ _BUILT: list[Callable[..., Any]] = []
 """Every function the factories below have built (one per kind and compute dtype)."""
 
 
-def _same_as_operands(lhs: jax.Array, rhs: jax.Array, preferred_element_type: Any) -> bool:
-  """Whether ``preferred_element_type`` only restates the operands' own dtype.
-
-  ``jnp.einsum`` passes the operands' result dtype explicitly; that asks for
-  nothing a plain GEMM would not give, so it does not turn f32 accumulation off.
-  """
-  return (
-    preferred_element_type is not None
-    and lhs.dtype == rhs.dtype
-    and np.dtype(preferred_element_type) == np.dtype(lhs.dtype)
-  )
-
-
 @functools.cache
 def _dot_general(compute_dtype: np.dtype) -> Callable[..., jax.Array]:
-  """:func:`mixed_dot_general` that also takes ``out_sharding`` (NNX passes it, even as None).
+  """:func:`mixed_dot_general` for ``compute_dtype``, cached.
 
-  Cached, so one policy gives one function object: modules built twice with
-  the same policy compare equal and share compiled code.
+  One policy gives one function object: modules built twice with the same
+  policy compare equal and share compiled code.
   """
-  base = mixed_dot_general(compute_dtype)
-
-  def dot_general(
-    lhs: jax.Array,
-    rhs: jax.Array,
-    dimension_numbers: Any,
-    precision: Any = None,
-    preferred_element_type: Any = None,
-    out_sharding: Any = None,
-    **kwargs: Any,
-  ) -> jax.Array:
-    lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
-    if _same_as_operands(lhs, rhs, preferred_element_type):
-      preferred_element_type = None
-    if out_sharding is None:
-      return base(lhs, rhs, dimension_numbers, precision, preferred_element_type, **kwargs)
-    if precision is None and preferred_element_type is None and not kwargs:
-      (lc, rc), (lb, rb) = dimension_numbers
-      dims = ((tuple(lc), tuple(rc)), (tuple(lb), tuple(rb)))
-      return mixed_dot(lhs, rhs, dims, compute_dtype, out_sharding)
-    return lax.dot_general(
-      lhs,
-      rhs,
-      dimension_numbers,
-      precision=precision,
-      preferred_element_type=preferred_element_type,
-      out_sharding=out_sharding,
-      **kwargs,
-    )
-
-  dot_general.__name__ = dot_general.__qualname__ = f"mixed_dot_general_{compute_dtype.name}"
+  dot_general = mixed_dot_general(compute_dtype)
   _BUILT.append(dot_general)
   return dot_general
 

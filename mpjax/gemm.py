@@ -226,6 +226,19 @@ def _mixed_conv_bwd(params, compute_dtype, residuals, g):
 mixed_conv.defvjp(_mixed_conv_fwd, _mixed_conv_bwd)
 
 
+def _same_as_operands(lhs: jax.Array, rhs: jax.Array, preferred_element_type: Any) -> bool:
+  """Whether ``preferred_element_type`` only restates the operands' own dtype.
+
+  ``jnp.einsum`` passes the operands' result dtype explicitly; that asks for
+  nothing a plain GEMM would not give, so it does not turn f32 accumulation off.
+  """
+  return (
+    preferred_element_type is not None
+    and lhs.dtype == rhs.dtype
+    and np.dtype(preferred_element_type) == np.dtype(lhs.dtype)
+  )
+
+
 def mixed_dot_general(compute_dtype: DTypeLike = jnp.bfloat16) -> Callable[..., jax.Array]:
   """A drop-in ``lax.dot_general`` whose GEMMs, forward and backward, accumulate in f32.
 
@@ -233,14 +246,18 @@ def mixed_dot_general(compute_dtype: DTypeLike = jnp.bfloat16) -> Callable[..., 
   in f32 and returns the result in ``compute_dtype``; its gradient's two GEMMs
   do the same and return gradients in each operand's own dtype (f32 for f32
   master weights). An explicit ``precision`` or ``preferred_element_type`` is
-  honoured by falling back to ``lax.dot_general`` as asked.
+  honoured by falling back to ``lax.dot_general`` as asked, except a
+  ``preferred_element_type`` that only restates the operands' own dtype (as
+  ``jnp.einsum`` passes): that one is ignored. ``out_sharding`` (which NNX's
+  ``Linear`` passes, even as ``None``) is honoured on the f32-accumulating path.
 
   Args:
     compute_dtype: the operand dtype, usually ``jnp.bfloat16`` or ``jnp.float16``.
 
   Returns:
     A function with ``lax.dot_general``'s signature, to pass as a Flax
-    ``Dense``/``DenseGeneral``/``Einsum`` ``dot_general``.
+    ``Dense``/``DenseGeneral`` ``dot_general``, an NNX ``Linear``'s, or
+    ``jnp.einsum``'s ``_dot_general``.
 
   Example:
     >>> import jax, jax.numpy as jnp, flax.linen as nn
@@ -261,8 +278,12 @@ def mixed_dot_general(compute_dtype: DTypeLike = jnp.bfloat16) -> Callable[..., 
     dimension_numbers: DimensionNumbers,
     precision: Any = None,
     preferred_element_type: DTypeLike | None = None,
+    out_sharding: Any = None,
     **kwargs: Any,
   ) -> jax.Array:
+    lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
+    if _same_as_operands(lhs, rhs, preferred_element_type):
+      preferred_element_type = None
     if precision is not None or preferred_element_type is not None or kwargs:
       return lax.dot_general(
         lhs,
@@ -270,10 +291,12 @@ def mixed_dot_general(compute_dtype: DTypeLike = jnp.bfloat16) -> Callable[..., 
         dimension_numbers,
         precision=precision,
         preferred_element_type=preferred_element_type,
+        out_sharding=out_sharding,
         **kwargs,
       )
     (lc, rc), (lb, rb) = dimension_numbers
     dims = ((tuple(lc), tuple(rc)), (tuple(lb), tuple(rb)))
-    return mixed_dot(jnp.asarray(lhs), jnp.asarray(rhs), dims, compute_dtype)
+    return mixed_dot(lhs, rhs, dims, compute_dtype, out_sharding)
 
+  dot_general.__name__ = dot_general.__qualname__ = f"mixed_dot_general_{compute_dtype.name}"
   return dot_general

@@ -115,10 +115,56 @@ def test_explicit_choices_fall_back_to_lax():
   a, b = jnp.ones((4, 8)), jnp.ones((8, 2))
   dims = (((1,), (0,)), ((), ()))
   assert dot(a, b, dims, precision=lax.Precision.HIGHEST).dtype == jnp.float32
-  assert dot(a, b, dims, preferred_element_type=jnp.float32).dtype == jnp.float32
+  half = a.astype(jnp.bfloat16), b.astype(jnp.bfloat16)
+  assert dot(*half, dims, preferred_element_type=jnp.float32).dtype == jnp.float32
+  assert dot(*half, dims, preferred_element_type=jnp.float32, out_sharding=None).dtype == (
+    jnp.float32
+  )
   jaxpr = jax.make_jaxpr(lambda a, b: dot(a, b, dims, precision=lax.Precision.HIGHEST))(a, b)
   assert _dots(jaxpr.jaxpr) == [(("float32", "float32"), "float32")]
   np.testing.assert_array_equal(dot(a, b, dims), np.full((4, 2), 8.0))
+
+
+@pytest.mark.parametrize(
+  "kwargs",
+  [
+    {"out_sharding": None},  # what NNX's Linear passes
+    {"preferred_element_type": jnp.float32},  # the operands' own dtype, as jnp.einsum passes it
+    {"preferred_element_type": jnp.float32, "out_sharding": None},
+  ],
+)
+def test_restated_defaults_keep_f32_accumulation_under_jit(kwargs):
+  lhs_shape, rhs_shape, dims = CASES["dense"]
+  lhs, rhs = jax.random.normal(jax.random.key(0), lhs_shape), jnp.ones(rhs_shape)
+  dot = mpjax.mixed_dot_general(jnp.bfloat16)
+
+  def loss(lhs, rhs):
+    return jnp.sum(dot(lhs, rhs, dims, **kwargs).astype(jnp.float32))
+
+  out = jax.jit(lambda a, b: dot(a, b, dims, **kwargs))(lhs, rhs)
+  chex.assert_type(out, jnp.bfloat16)
+  np.testing.assert_array_equal(out, jax.jit(lambda a, b: dot(a, b, dims))(lhs, rhs))
+  grads = jax.jit(jax.grad(loss, (0, 1)))(lhs, rhs)
+  chex.assert_type(grads, jnp.float32)
+  dots = _dots(jax.make_jaxpr(jax.jit(jax.grad(loss, (0, 1))))(lhs, rhs).jaxpr)
+  assert len(dots) == 3
+  assert set(dots) == {(("bfloat16", "bfloat16"), "float32")}
+
+
+def test_einsum_through_mixed_dot_general_accumulates_in_f32():
+  # jnp.einsum passes preferred_element_type (the operands' result dtype) explicitly.
+  dot = mpjax.mixed_dot_general(jnp.bfloat16)
+  q, k = jax.random.normal(jax.random.key(0), (2, 6, 4, 8)), jnp.ones((2, 10, 4, 8))
+
+  def scores(q, k):
+    return jnp.einsum("bqhd,bkhd->bhqk", q, k, _dot_general=dot)
+
+  out = jax.jit(scores)(q, k)
+  chex.assert_type(out, jnp.float32)  # einsum's own result dtype, from a bf16 GEMM
+  np.testing.assert_allclose(out, jnp.einsum("bqhd,bkhd->bhqk", q, k), rtol=1e-2, atol=1e-1)
+  assert _dots(jax.make_jaxpr(jax.jit(scores))(q, k).jaxpr) == [
+    (("bfloat16", "bfloat16"), "float32")
+  ]
 
 
 def test_bad_compute_dtype():
