@@ -15,14 +15,20 @@ SIGINT or SIGTERM finishes the current step, writes a checkpoint and exits with
 from __future__ import annotations
 
 import argparse
+import os
 import pathlib
 import signal
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import jax
 
 from mpjax.experiment import ConfigError, Experiment, compare, load_config, train
+from mpjax.policy import POLICY_ENV_VAR
+
+if TYPE_CHECKING:
+  from mpjax.audit import AuditReport
 
 __all__ = ["main"]
 
@@ -102,13 +108,35 @@ def _print_summary(summary: dict) -> None:
   )
 
 
-def _doctor(config) -> None:
+def doctor_report(config: Any) -> AuditReport:
+  """The GEMM audit of ``config``'s train step on its first batch: what ``mpjax doctor`` prints.
+
+  Args:
+    config: a loaded config (:func:`mpjax.experiment.load_config`).
+
+  Returns:
+    The :class:`mpjax.audit.AuditReport` of the jitted train step (forward and
+    backward GEMMs) for the config's policy, model and batch size.
+
+  Raises:
+    ConfigError: if the config does not build (a bad policy, model or data).
+  """
   from mpjax.audit import audit
 
   exp = Experiment(config)
   state = exp.init_state()
   batch = exp.put_batch(exp.dataset.batch(0, config.batch_size, config.seed))
-  print(audit(exp.make_step(), state, batch))
+  return audit(exp.make_step(), state, batch)
+
+
+def _doctor(config: Any) -> None:
+  report = doctor_report(config)
+  policy = os.environ.get(POLICY_ENV_VAR, "").strip() or config.policy
+  print(
+    f"Train step of {config.name} [{policy}], batch {config.batch_size}, on "
+    f"{report.platform}: every GEMM and convolution, forward and backward.\n"
+  )
+  print(report)
 
 
 def _initialize_distributed(parsed: argparse.Namespace) -> None:

@@ -18,7 +18,7 @@ Norm statistics and the attention softmax run in f32 in every case.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -31,12 +31,57 @@ from mpjax.xla import pad_to_multiple
 __all__ = ["MLP", "CNN", "TransformerLM"]
 
 _ALIGN = 8  # f16/bf16 GEMM dimensions that Tensor Cores and XLA:CPU's fast kernel take as they are
+_LECUN = nn.initializers.lecun_normal()  # the default kernel init of nn.Dense and nn.Conv
 
 
 def _check_positive(model: str, **fields: Any) -> None:
   for name, value in fields.items():
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
       raise ValueError(f"{model}: {name}={value!r} must be an integer >= 1.")
+
+
+def _zero_padded(
+  init: Callable[..., jax.Array], sizes: Mapping[int, int]
+) -> Callable[..., jax.Array]:
+  """``init`` drawn for the true ``sizes`` (``{axis: size}``), zero-padded to the shape asked for.
+
+  A layer widened for GEMM alignment starts with the values (and the init
+  scale) of the unpadded layer. Its padding only meets zero inputs (padded
+  features or channels) or feeds sliced-off outputs (padded logits), so its
+  gradient is zero, it stays zero, and the layer computes what the unpadded
+  one would.
+  """
+
+  def padded_init(key: jax.Array, shape: Sequence[int], dtype: Any = jnp.float32) -> jax.Array:
+    true_shape, widths = list(shape), [(0, 0)] * len(shape)
+    for axis, size in sizes.items():
+      true_shape[axis] = size
+      widths[axis] = (0, shape[axis] - size)
+    return jnp.pad(init(key, tuple(true_shape), dtype), widths)
+
+  return padded_init
+
+
+def _pad_last(x: jax.Array) -> jax.Array:
+  """``x`` with its last axis zero-padded to a multiple of 8."""
+  pad = pad_to_multiple(x.shape[-1], _ALIGN) - x.shape[-1]
+  return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)]) if pad else x
+
+
+def _aligned_head(
+  num_classes: int, name: str, sizes: Mapping[int, int], **kw: Any
+) -> Callable[[jax.Array], jax.Array]:
+  """A ``Dense`` head with ``num_classes`` padded to a multiple of 8, its logits sliced back.
+
+  The kernel and bias have the padded width (the padding starts at zero and
+  stays there, see :func:`_zero_padded`; ``sizes`` pads the kernel's input
+  axis too), so the head's GEMMs, forward and backward, are aligned; the
+  logits are ``(..., num_classes)``.
+  """
+  padded = pad_to_multiple(num_classes, _ALIGN)
+  init = _zero_padded(_LECUN, {**sizes, -1: num_classes})
+  dense = nn.Dense(padded, kernel_init=init, name=name, **kw)
+  return lambda x: dense(x)[..., :num_classes]
 
 
 def _nearest_multiple(value: int, multiple: int = _ALIGN) -> int:
@@ -48,6 +93,13 @@ def _nearest_multiple(value: int, multiple: int = _ALIGN) -> int:
 
 class MLP(nn.Module):
   """A multi-layer perceptron classifier: ``Dense`` + activation layers, then a ``Dense`` head.
+
+  GEMM alignment: the flattened input features and ``num_classes`` are padded
+  to multiples of 8 (zero input features, zero kernel rows; a head of
+  ``pad_to_multiple(num_classes)`` outputs whose extra logits are sliced off).
+  The padding starts at zero and gets zero gradients, so the model computes
+  and learns what the unpadded one would; the logits are
+  ``(batch, num_classes)``.
 
   Attributes:
     features: the width of each hidden layer (empty: a linear classifier).
@@ -88,9 +140,13 @@ class MLP(nn.Module):
       raise ValueError(f"MLP: input of shape {x.shape} has no batch dimension; pass (batch, ...).")
     kw = dict(dtype=self.dtype, param_dtype=self.param_dtype, dot_general=self.dot_general)
     x = x.reshape(x.shape[0], -1)
+    # Input features zero-padded to a multiple of 8, and the first kernel with zero rows.
+    first = {0: x.shape[-1]}
+    x = _pad_last(x)
     for i, width in enumerate(self.features):
-      x = self.activation(nn.Dense(width, name=f"dense_{i}", **kw)(x))
-    return nn.Dense(self.num_classes, name="head", **kw)(x)
+      init = _zero_padded(_LECUN, first if i == 0 else {})
+      x = self.activation(nn.Dense(width, kernel_init=init, name=f"dense_{i}", **kw)(x))
+    return _aligned_head(self.num_classes, "head", {} if self.features else first, **kw)(x)
 
 
 class CNN(nn.Module):
@@ -102,6 +158,12 @@ class CNN(nn.Module):
   ``model.apply(variables, x, train=True, mutable=["batch_stats"])`` and
   evaluate with ``model.apply(variables, x, train=False)``. The convolutions
   have no bias (the BatchNorm after each has one).
+
+  GEMM alignment: the input channels (1 for digits) and ``num_classes`` are
+  padded to multiples of 8 as in :class:`MLP` (zero channels and kernel
+  slices; extra logits sliced off), so every convolution and GEMM, forward and
+  backward, has aligned channels and dimensions; the logits are
+  ``(batch, num_classes)``.
 
   Attributes:
     num_classes: the number of logits.
@@ -153,11 +215,15 @@ class CNN(nn.Module):
         "digits use mpjax.data.load_digits(image=True)."
       )
     kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
+    # Input channels (1 for digits) zero-padded to a multiple of 8, the first kernel likewise.
+    first = {-2: x.shape[-1]}
+    x = _pad_last(x)
     for i, width in enumerate(self.features):
       x = nn.Conv(
         width,
         (3, 3),
         use_bias=False,
+        kernel_init=_zero_padded(_LECUN, first if i == 0 else {}),
         conv_general_dilated=self.conv_general_dilated,
         name=f"conv_{i}",
         **kw,
@@ -168,7 +234,7 @@ class CNN(nn.Module):
       x = nn.max_pool(nn.relu(x), (2, 2), strides=(2, 2), padding="SAME")
     x = x.reshape(x.shape[0], -1)
     x = nn.relu(nn.Dense(self.dense, dot_general=self.dot_general, name="dense", **kw)(x))
-    return nn.Dense(self.num_classes, dot_general=self.dot_general, name="head", **kw)(x)
+    return _aligned_head(self.num_classes, "head", {}, dot_general=self.dot_general, **kw)(x)
 
 
 class _CausalSelfAttention(nn.Module):
