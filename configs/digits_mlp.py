@@ -17,6 +17,6 @@ def get_config() -> ml_collections.ConfigDict:
   config.data = ml_collections.ConfigDict()
   config.data.name = "digits"  # flat (64,) pixel vectors in [0, 1]
   config.model = ml_collections.ConfigDict()
-  config.model.name = "mlp"
+  config.model.name = "mlp"  # mpjax.models.MLP: dense -> GELU layers, then a dense head
   config.model.features = (256, 256)  # hidden widths
   return config

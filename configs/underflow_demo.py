@@ -20,6 +20,6 @@ def get_config() -> ml_collections.ConfigDict:
   config.data = ml_collections.ConfigDict()
   config.data.name = "underflow"  # a teacher task whose loss is defined times 2**-21
   config.model = ml_collections.ConfigDict()
-  config.model.name = "mlp"
+  config.model.name = "mlp"  # mpjax.models.MLP: dense -> GELU layers, then a dense head
   config.model.features = (64,)  # one hidden layer
   return config
