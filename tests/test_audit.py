@@ -1,9 +1,6 @@
 """The GEMM audit: every GEMM found, counted, flagged; the compiled-HLO reader on GPU-style text."""
 
-import importlib.util
 import json
-import pathlib
-import sys
 
 import flax.linen as nn
 import jax
@@ -14,8 +11,6 @@ from jax import lax
 
 import mpjax
 from mpjax.audit import audit, audit_jaxpr, parse_compiled_gemms
-
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def _mlp():
@@ -359,35 +354,3 @@ def test_bad_input_raises_early():
     audit_jaxpr(lambda x: x)
   with pytest.raises(TypeError, match="must be HLO module text"):
     parse_compiled_gemms(b"HloModule m")
-
-
-def _script(name):
-  spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-  module = importlib.util.module_from_spec(spec)
-  sys.modules[spec.name] = module  # Flax modules are dataclasses: their module must be importable
-  spec.loader.exec_module(module)
-  return module
-
-
-def test_gpu_check_script_runs_small(capsys):
-  gpu_check = _script("gpu_check")
-  with pytest.raises(RuntimeError, match="already started"):  # flags come before the backend
-    gpu_check.main(["--small"])
-  figures = gpu_check.main(["--small", "--rounds", "2", "--keep-xla-flags"])
-  variants = figures["variants"]
-  assert set(variants) == {
-    "fp32 (default precision: TF32)",
-    "fp32 (precision highest)",
-    "mixed_bf16 (autocast)",
-    "mixed_fp16 (dynamic loss scale)",
-  }
-  assert variants["fp32 (default precision: TF32)"]["step_ratio"] == 1.0
-  assert variants["fp32 (precision highest)"]["precisions"] == ["HIGHEST"]
-  assert variants["fp32 (default precision: TF32)"]["precisions"] == ["DEFAULT"]
-  assert variants["mixed_bf16 (autocast)"]["fast_path_share"] == 1.0
-  assert variants["mixed_fp16 (dynamic loss scale)"]["fast_path_share"] == 1.0
-  assert variants["fp32 (precision highest)"]["fast_path_share"] == 0.0
-  assert all(v["gemm_flops"] > 0 and v["gemm_tflops"] > 0 for v in variants.values())
-  assert figures["peak_tflops"] > 0 and "flagged: 0 of" in figures["verdict"]
-  out = capsys.readouterr().out
-  assert "| mixed_bf16 (autocast) |" in out and "| bare GEMM 256^3 bf16 x bf16 -> f32 |" in out

@@ -106,3 +106,28 @@ def test_bench_script_keras_peer_ceiling_and_json(tmp_path, capsys, monkeypatch)
   assert len(record["ceiling"]) == 2 and all(r["bf16_ms"] > 0 for r in record["ceiling"].values())
   out = capsys.readouterr().out
   assert "| keras mixed_bfloat16 |" in record["markdown"] and record["markdown"] in out
+
+
+def test_gpu_check_script_runs_small(capsys):
+  gpu_check = _script("gpu_check")
+  jax.devices()  # JAX's backend has started, as in any program that already used it
+  with pytest.raises(RuntimeError, match="already started"):  # flags come before the backend
+    gpu_check.main(["--small"])
+  figures = gpu_check.main(["--small", "--rounds", "2", "--keep-xla-flags"])
+  variants = figures["variants"]
+  assert set(variants) == {
+    "fp32 (default precision: TF32)",
+    "fp32 (precision highest)",
+    "mixed_bf16 (autocast)",
+    "mixed_fp16 (dynamic loss scale)",
+  }
+  assert variants["fp32 (default precision: TF32)"]["step_ratio"] == 1.0
+  assert variants["fp32 (precision highest)"]["precisions"] == ["HIGHEST"]
+  assert variants["fp32 (default precision: TF32)"]["precisions"] == ["DEFAULT"]
+  assert variants["mixed_bf16 (autocast)"]["fast_path_share"] == 1.0
+  assert variants["mixed_fp16 (dynamic loss scale)"]["fast_path_share"] == 1.0
+  assert variants["fp32 (precision highest)"]["fast_path_share"] == 0.0
+  assert all(v["gemm_flops"] > 0 and v["gemm_tflops"] > 0 for v in variants.values())
+  assert figures["peak_tflops"] > 0 and "flagged: 0 of" in figures["verdict"]
+  out = capsys.readouterr().out
+  assert "| mixed_bf16 (autocast) |" in out and "| bare GEMM 256^3 bf16 x bf16 -> f32 |" in out
