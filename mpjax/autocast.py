@@ -709,7 +709,11 @@ def autocast(
   ``jit``, ``cond``, ``while``, ``scan``, ``remat``, ``shard_map`` and
   ``custom_jvp`` functions (their JVP rules are autocast too). A ``custom_vjp``
   function is autocast when not differentiated; under differentiation its own
-  fwd and bwd run in the dtypes they were written for.
+  fwd and bwd run in the dtypes they were written for. Reverse mode only:
+  each lowered GEMM carries a custom VJP (so its gradient GEMMs also take
+  compute-dtype operands), and JAX refuses forward mode (``jax.jvp``,
+  ``jax.jacfwd``, ``jax.hessian``) through a custom VJP; use ``jax.jacrev``,
+  or differentiate the f32 function.
 
   A user's explicit choices stay: ``astype``, a GEMM's ``precision``, or a
   ``preferred_element_type`` that differs from its operands' dtype.

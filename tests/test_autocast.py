@@ -883,3 +883,14 @@ def test_op_classes_name_the_documented_classes():
   assert mpjax.OP_CLASSES["add"] == "promote"
   assert mpjax.OP_CLASSES["reshape"] == "follow"
   assert set(mpjax.OP_CLASSES.values()) == {"lower", "fp32", "promote", "follow", "keep"}
+
+
+def test_reverse_mode_jacobian_works_and_forward_mode_is_refused_as_documented():
+  f = mpjax.autocast(lambda w, x: jnp.tanh(x @ w).sum(-1), "mixed_bf16")
+  w, x = jax.random.normal(jax.random.key(0), (8, 8)), jax.random.normal(jax.random.key(1), (4, 8))
+  jac = jax.jit(jax.jacrev(f))(w, x)
+  ref = jax.jacrev(lambda w, x: jnp.tanh(x @ w).sum(-1))(w, x)
+  assert jac.dtype == jnp.float32
+  np.testing.assert_allclose(jac, ref, rtol=0.05, atol=0.05)
+  with pytest.raises(TypeError, match="forward-mode"):
+    jax.jacfwd(f)(w, x)
