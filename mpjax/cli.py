@@ -188,7 +188,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"results written to {table}")
     else:
       summaries = [train(config, run_dir=parsed.run_dir, progress=progress)]
-      _print_summary(summaries[0])
+      if jax.process_index() == 0:
+        _print_summary(summaries[0])
   except ConfigError as e:
     print(f"mpjax: error: {e}", file=sys.stderr)
     return 2

@@ -1,9 +1,10 @@
-"""Experiments from configs: train one, resume it, compare precisions, on all local devices.
+"""Experiments from configs: train one, resume it, compare precisions, on all devices.
 
 A config is a Python file whose ``get_config()`` returns an ``ml_collections``
 ``ConfigDict`` (see ``configs/default.py``). :func:`train` builds the dataset,
 the model, the :class:`~mpjax.TrainState` and the jitted step from it, trains
-with data parallelism over the local devices, logs metrics as JSONL, keeps
+with data parallelism over every device (of every process after
+``jax.distributed.initialize``), logs metrics as JSONL, keeps
 orbax checkpoints that resume bit-identically, and returns a summary.
 :func:`compare` trains one config under several policies and writes a markdown
 table and plots. The ``mpjax`` command line (:mod:`mpjax.cli`) calls both.
@@ -25,6 +26,7 @@ import signal
 import sys
 import threading
 import time
+import zlib
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -35,6 +37,7 @@ import ml_collections
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -406,19 +409,70 @@ def _comparable(config: ml_collections.ConfigDict) -> dict[str, Any]:
   return {k: v for k, v in items.items() if k not in _RESUMABLE_KEYS}
 
 
+def _from_every_process(value: int) -> np.ndarray:
+  """``value`` as each process has it (one entry per process)."""
+  if jax.process_count() == 1:
+    return np.array([value])
+  return np.asarray(multihost_utils.process_allgather(np.int32(value)))
+
+
 def _check_same_run(path: pathlib.Path, config: ml_collections.ConfigDict, policy: Policy) -> None:
   saved = path / "config.json"
   current = {**_comparable(config), "policy": str(policy)}
-  if saved.exists():
-    before = json.loads(saved.read_text())
-    changed = sorted(k for k in set(before) | set(current) if before.get(k) != current.get(k))
-    if changed:
+  if jax.process_index() == 0 and not saved.exists():
+    tmp = path / "config.json.tmp"  # written whole, then renamed: no process reads half of it
+    tmp.write_text(json.dumps(current, indent=2, sort_keys=True))
+    os.replace(tmp, saved)
+  if jax.process_count() > 1:
+    multihost_utils.sync_global_devices("mpjax: config.json written")
+    if not saved.exists():
       raise ConfigError(
-        f"run directory {path} holds a run with a different config ({', '.join(changed)} "
-        "changed); resume it with the same config, or pass a new --run_dir."
+        f"process {jax.process_index()} does not see process 0's {saved}; put the run "
+        "directory on a file system every process shares."
       )
-  elif jax.process_index() == 0:
-    saved.write_text(json.dumps(current, indent=2, sort_keys=True))
+  before = json.loads(saved.read_text())
+  changed = sorted(k for k in set(before) | set(current) if before.get(k) != current.get(k))
+  if changed:
+    raise ConfigError(
+      f"run directory {path} holds a run with a different config ({', '.join(changed)} "
+      "changed); resume it with the same config, or pass a new --run_dir."
+    )
+
+
+def _check_processes_agree(path: pathlib.Path, start: int, dataset: data_lib.Dataset) -> None:
+  """In a multi-process run: every process resumes from the same step and has the same data."""
+  if jax.process_count() == 1:
+    return
+  starts = _from_every_process(start)
+  if (starts != start).any():
+    raise ConfigError(
+      f"the processes see different checkpoints in {path} (latest steps "
+      f"{sorted(set(starts.tolist()))}); put the run directory on a file system every process "
+      "shares."
+    )
+  crc = 0
+  for key in sorted(dataset.train):
+    crc = zlib.crc32(np.ascontiguousarray(dataset.train[key]).tobytes(), crc)
+  if (_from_every_process(crc & 0x7FFFFFFF) != crc & 0x7FFFFFFF).any():
+    raise ConfigError(
+      f"the processes built different {dataset.name!r} datasets (a different Python or "
+      "scikit-learn on some host?); every process must see the same data."
+    )
+
+
+def _agreed_stop(stop: dict[str, int], step: int, config: ml_collections.ConfigDict) -> int:
+  """The signal to stop on after ``step`` (0: go on), the same in every process.
+
+  A single process stops after the step it was signalled in. The processes of
+  a multi-process run must all save the same step and leave the collectives
+  together, so they agree at each log step, whichever of them was signalled.
+  """
+  local = stop.get("signal", 0)
+  if jax.process_count() == 1:
+    return local
+  if step % config.log_every and step != config.steps:
+    return 0
+  return int(_from_every_process(local).max())
 
 
 class _Metrics:
@@ -543,16 +597,25 @@ def train(
     options = ocp.CheckpointManagerOptions(max_to_keep=2, create=True)
     with ocp.CheckpointManager(path / "checkpoints", options=options) as manager:
       start = manager.latest_step() or 0
+      _check_processes_agree(path, start, exp.dataset)
       if start:
         target = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
-        state = manager.restore(start, args=ocp.args.StandardRestore(target))
+        try:
+          state = manager.restore(start, args=ocp.args.StandardRestore(target))
+        except ValueError as e:
+          detail = " ".join(str(e).split())[:160]
+          raise ConfigError(
+            f"the checkpoint of step {start} in {path} does not fit this config's model and "
+            f"optimizer ({detail}); it was written by another version of the model: pass a new "
+            "--run_dir."
+          ) from None
       metrics_log = _Metrics(path, start)
       compiled = step_fn.lower(state, exp.put_batch(exp.dataset.batch(0, config.batch_size, 0)))
       compiled = compiled.compile()
       memory = compiled.memory_analysis()
       step_memory_mib = memory.temp_size_in_bytes / 2**20 if memory is not None else float("nan")
       bar = _progress(config.steps, start, progress and jax.process_index() == 0)
-      last = _last_logged(path, start)
+      last = _last_logged(path, start) if jax.process_index() == 0 else {}
       timed_steps, timed_seconds, interrupted = 0, 0.0, None
       it = tick_it = start
       tick = time.perf_counter()
@@ -561,10 +624,11 @@ def train(
         state, metrics = compiled(state, batch)
         it += 1
         bar.update(1)
+        stopping = _agreed_stop(stop, it, config)
         if it == start + 1:  # time from the end of the first step: it pays for warm-up
           jax.block_until_ready(state)
           tick, tick_it = time.perf_counter(), it
-        if it % config.log_every == 0 or it == config.steps or stop:
+        if it % config.log_every == 0 or it == config.steps or stopping:
           metrics = jax.device_get(metrics)
           timed_steps += it - tick_it
           timed_seconds += time.perf_counter() - tick
@@ -586,10 +650,10 @@ def train(
         if config.eval_every and it % config.eval_every == 0 and it < config.steps:
           metrics_log.write(it, exp.evaluate(state))
           tick, tick_it = time.perf_counter(), it
-        if (config.checkpoint_every and it % config.checkpoint_every == 0) or stop:
+        if (config.checkpoint_every and it % config.checkpoint_every == 0) or stopping:
           manager.save(it, args=ocp.args.StandardSave(state))
-        if stop:
-          interrupted = signal.Signals(stop["signal"]).name
+        if stopping:
+          interrupted = signal.Signals(stopping).name
           break
       bar.close()
       if it == config.steps and manager.latest_step() != it:

@@ -92,7 +92,9 @@ def make_train_step(
   (GEMMs bf16/fp16 x bf16/fp16 -> f32, forward and backward; softmax, norms and
   reductions in f32). Otherwise, or with ``autocast=False``, the step casts the
   params (and the batch's floating leaves) to the policy's compute dtype before
-  ``loss_fn``. Either way it takes the loss in f32, scales it,
+  ``loss_fn``; with ``cast_params=False`` a model that takes the policy itself
+  (:func:`mpjax.linen_kwargs`, :func:`mpjax.nnx_apply_policy`) gets the f32
+  masters as they are. Either way it takes the loss in f32, scales it,
   differentiates with respect to the master params, unscales the gradients
   with the same scale, decides once (for all devices) whether they are finite,
   clips them if asked, and applies the optax update in f32. On a non-finite
@@ -104,9 +106,11 @@ def make_train_step(
 
   Args:
     loss_fn: ``loss_fn(params, batch)`` returning a scalar loss or ``(loss, aux)``.
-      It gets params (and, with ``cast_batch``, the batch) in the compute dtype;
-      integer leaves such as labels are untouched. Compute the loss itself from
-      f32 logits (``logits.astype(jnp.float32)``) for fp16 safety.
+      Under autocast it gets the f32 master params and the batch as they are;
+      otherwise params (unless ``cast_params=False``) and, with ``cast_batch``,
+      the batch in the compute dtype. Integer leaves such as labels are
+      untouched. Compute the loss itself from f32 logits
+      (``logits.astype(jnp.float32)``) for fp16 safety.
     axis_name: under ``shard_map`` or ``pmap``, the data-parallel axis name(s):
       gradients and the loss are averaged over it and the finite decision is
       shared. Leave ``None`` under ``jit`` with shardings, where everything is
@@ -116,12 +120,15 @@ def make_train_step(
     cast_batch: without autocast, cast the batch's f16/bf16/f32 leaves to the
       compute dtype; turn off for inputs that must stay f32.
     cast_params: without autocast, cast the params to the compute dtype. Turn
-      off (with ``autocast=False``) for a model that takes the policy itself
-      (built with :func:`mpjax.linen_kwargs` or :func:`mpjax.nnx_apply_policy`):
-      it then gets the f32 masters and casts each weight where it uses it.
+      off for a model that takes the policy itself (built with
+      :func:`mpjax.linen_kwargs` or :func:`mpjax.nnx_apply_policy`): it then
+      gets the f32 masters as they are and casts each weight where it uses it,
+      and the step does not autocast it (``autocast=True`` with
+      ``cast_params=False`` is refused).
     autocast: run ``loss_fn`` under :func:`mpjax.autocast` with the state's
       policy. ``None`` (default) means yes for mixed policies (param dtype f32,
-      compute dtype f16 or bf16), where it is the faster path, and no otherwise.
+      compute dtype f16 or bf16), where it is the faster path, unless
+      ``cast_params=False``; no otherwise.
     autocast_rules: ``rules`` for :func:`mpjax.autocast`, e.g.
       ``{"*head*": "fp32"}``.
     with_model_state: for models with non-trained state such as BatchNorm
@@ -164,6 +171,13 @@ def make_train_step(
 
   if autocast_rules is not None:
     autocast_fn(loss_fn, "mixed_bf16", rules=autocast_rules)  # checks the rules now
+  if not cast_params:
+    if autocast:
+      raise ValueError(
+        "make_train_step: cast_params=False is for models that take the policy themselves, "
+        "which the step does not autocast; drop autocast=True, or keep cast_params=True."
+      )
+    autocast = False
 
   def step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
     if not isinstance(state, TrainState):

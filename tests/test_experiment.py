@@ -81,6 +81,14 @@ def test_resuming_with_a_different_config_is_refused(tmp_path):
     ex.train(ex.load_config("digits_mlp", ["steps=8", "learning_rate=0.1"]), run_dir=tmp_path)
 
 
+def test_a_checkpoint_of_another_model_version_is_one_clear_error(tmp_path, monkeypatch):
+  ex.train(ex.load_config("digits_mlp", ["steps=4", "log_every=2"]), run_dir=tmp_path)
+  # the same config, but the model code changed its parameter shapes since the run was saved
+  monkeypatch.setitem(ex.MODELS, "mlp", lambda **kw: ex.models.MLP(**{**kw, "features": (32,)}))
+  with pytest.raises(ex.ConfigError, match="does not fit this config's model.*new --run_dir"):
+    ex.train(ex.load_config("digits_mlp", ["steps=8", "log_every=2"]), run_dir=tmp_path)
+
+
 def test_env_policy_overrides_the_config_but_not_compare(tmp_path, monkeypatch):
   monkeypatch.setenv("MPJAX_POLICY", "mixed_fp16")
   summary = ex.train(ex.load_config("digits_mlp", ["steps=3", "log_every=3"]), run_dir=tmp_path)
@@ -235,14 +243,15 @@ def _free_port():
     return s.getsockname()[1]
 
 
-def test_two_processes_train_as_one_run_of_their_devices(tmp_path):
-  """`mpjax train --coordinator_address ...` on 2 processes x 2 devices = 1 process x 4."""
-  args = ["train", "digits_mlp", "--config.steps=12", "--config.log_every=6", "--no_progress"]
+def _two_processes(args, run_dir, devices_each=2):
+  """``mpjax <args>`` as two processes of one run (gloo on CPU), each with ``devices_each``."""
   env = {k: v for k, v in os.environ.items() if k != "MPJAX_POLICY"}
-  env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
-  command = [sys.executable, "-m", "mpjax.cli", *args, "--run_dir", str(tmp_path / "two")]
+  env.update(
+    JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices_each}"
+  )
+  command = [sys.executable, "-m", "mpjax.cli", *args, "--run_dir", str(run_dir)]
   address = f"127.0.0.1:{_free_port()}"
-  procs = [
+  return [
     subprocess.Popen(
       [*command, "--coordinator_address", address, "--num_processes=2", f"--process_id={i}"],
       env=env,
@@ -253,10 +262,21 @@ def test_two_processes_train_as_one_run_of_their_devices(tmp_path):
     )
     for i in range(2)
   ]
+
+
+def _finish(procs):
   outs = [p.communicate(timeout=300) for p in procs]
-  assert [p.returncode for p in procs] == [0, 0], outs[0][1][-3000:] + outs[1][1][-3000:]
-  env.update(XLA_FLAGS="--xla_force_host_platform_device_count=4")
-  command[-1] = str(tmp_path / "four")
+  return [p.returncode for p in procs], "\n".join(err[-3000:] for _, err in outs)
+
+
+def test_two_processes_train_as_one_run_of_their_devices(tmp_path):
+  """`mpjax train --coordinator_address ...` on 2 processes x 2 devices = 1 process x 4."""
+  args = ["train", "digits_mlp", "--config.steps=12", "--config.log_every=6", "--no_progress"]
+  codes, err = _finish(_two_processes(args, tmp_path / "two"))
+  assert codes == [0, 0], err
+  env = {k: v for k, v in os.environ.items() if k != "MPJAX_POLICY"}
+  env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4")
+  command = [sys.executable, "-m", "mpjax.cli", *args, "--run_dir", str(tmp_path / "four")]
   proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
   assert proc.returncode == 0, proc.stderr[-3000:]
   two, four = (json.loads((tmp_path / d / "summary.json").read_text()) for d in ("two", "four"))
@@ -265,3 +285,24 @@ def test_two_processes_train_as_one_run_of_their_devices(tmp_path):
   assert len((tmp_path / "two" / "metrics.jsonl").read_text().splitlines()) == 3
   for key in ("loss", "test_loss", "test_accuracy"):
     assert two[key] == pytest.approx(four[key], rel=1e-5), key
+
+
+def test_sigterm_to_one_of_two_processes_stops_both_at_one_checkpoint(tmp_path):
+  run_dir, metrics = tmp_path / "run", tmp_path / "run" / "metrics.jsonl"
+  args = ["train", "digits_mlp", "--no_progress", "--config.log_every=10"]
+  procs = _two_processes([*args, "--config.steps=100000"], run_dir)
+  deadline = time.time() + 120
+  while not (metrics.exists() and metrics.read_text()) and time.time() < deadline:
+    time.sleep(0.05)
+  procs[1].send_signal(signal.SIGTERM)  # one process only, as Ctrl-C on one host
+  codes, err = _finish(procs)
+  assert codes == [128 + signal.SIGTERM] * 2, err
+  with ocp.CheckpointManager(run_dir / "checkpoints") as manager:
+    stopped_at = manager.latest_step()
+  assert 0 < stopped_at < 100000 and stopped_at % 10 == 0  # the processes agree at log steps
+  codes, err = _finish(_two_processes([*args, f"--config.steps={stopped_at + 10}"], run_dir))
+  assert codes == [0, 0], err
+  summary = json.loads((run_dir / "summary.json").read_text())
+  assert summary["steps"] == stopped_at + 10
+  logged = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+  assert logged[-3:] == [stopped_at, stopped_at + 10, stopped_at + 10]  # train log, then eval

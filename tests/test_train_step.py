@@ -116,13 +116,27 @@ def test_cast_params_false_hands_the_f32_masters_to_a_model_that_takes_the_polic
   state = mpjax.TrainState.create(
     apply_fn=model.apply, params=params, tx=optax.sgd(0.5), policy="mixed_bf16"
   )
-  step = mpjax.make_train_step(loss_fn, autocast=False, cast_params=False)
+  step = mpjax.make_train_step(loss_fn, cast_params=False)  # not autocast either
   jaxpr = jax.make_jaxpr(step)(state, _batch())
   assert seen[-1] == jnp.float32
   # the model casts each weight where it uses it: every GEMM bf16 x bf16, forward and backward
   assert _gemm_operand_dtypes(jaxpr.jaxpr) and set(_gemm_operand_dtypes(jaxpr.jaxpr)) == {
     ("bfloat16", "bfloat16")
   }
+  autocast_jaxpr = jax.make_jaxpr(mpjax.make_train_step(loss_fn))(state, _batch())
+  # autocast rematerialises (remat2); the cast_params=False step is not autocast
+  assert "remat2" in _primitives(autocast_jaxpr.jaxpr) and "remat2" not in _primitives(jaxpr.jaxpr)
+  with pytest.raises(ValueError, match="cast_params=False is for models that take the policy"):
+    mpjax.make_train_step(loss_fn, cast_params=False, autocast=True)
+
+
+def _primitives(jaxpr):
+  names = set()
+  for eqn in jaxpr.eqns:
+    names.add(eqn.primitive.name)
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      names |= _primitives(sub)
+  return names
 
 
 def _gemm_operand_dtypes(jaxpr):
