@@ -248,7 +248,7 @@ def mixed_dot_general(compute_dtype: DTypeLike = jnp.bfloat16) -> Callable[..., 
   master weights). An explicit ``precision`` or ``preferred_element_type`` is
   honoured by falling back to ``lax.dot_general`` as asked, except a
   ``preferred_element_type`` that only restates the operands' own dtype (as
-  ``jnp.einsum`` passes): that one is ignored. ``out_sharding`` (which NNX's
+  ``jnp.einsum`` passes): that one only sets the result's dtype. ``out_sharding`` (which NNX's
   ``Linear`` passes, even as ``None``) is honoured on the f32-accumulating path.
 
   Args:
@@ -282,8 +282,9 @@ def mixed_dot_general(compute_dtype: DTypeLike = jnp.bfloat16) -> Callable[..., 
     **kwargs: Any,
   ) -> jax.Array:
     lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
+    result_dtype = None
     if _same_as_operands(lhs, rhs, preferred_element_type):
-      preferred_element_type = None
+      result_dtype, preferred_element_type = preferred_element_type, None
     if precision is not None or preferred_element_type is not None or kwargs:
       return lax.dot_general(
         lhs,
@@ -296,7 +297,8 @@ def mixed_dot_general(compute_dtype: DTypeLike = jnp.bfloat16) -> Callable[..., 
       )
     (lc, rc), (lb, rb) = dimension_numbers
     dims = ((tuple(lc), tuple(rc)), (tuple(lb), tuple(rb)))
-    return mixed_dot(lhs, rhs, dims, compute_dtype, out_sharding)
+    out = mixed_dot(lhs, rhs, dims, compute_dtype, out_sharding)
+    return out if result_dtype is None else out.astype(result_dtype)
 
   dot_general.__name__ = dot_general.__qualname__ = f"mixed_dot_general_{compute_dtype.name}"
   return dot_general
