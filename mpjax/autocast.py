@@ -211,7 +211,8 @@ class _Ctx:
   records: list[_Record] | None = None
   repeat: float = 1.0
   # In a custom_jvp rule, GEMMs may take tangents, which reverse mode transposes:
-  # they run as plain compute-dtype GEMMs, not through mixed_dot's custom_vjp.
+  # they run as plain bf16 x bf16 -> f32 GEMMs, not through mixed_dot's custom_vjp
+  # (which JAX cannot transpose), so their transposes take an f32 cotangent.
   linear: bool = False
 
   def scaled(self, repeat: float) -> _Ctx:
