@@ -58,6 +58,7 @@ def test_overrides_keep_types_and_nested_keys():
     (["train", "--config.model.d_model=100"], "config.model"),
     (["train", "--config.data.name=imagenet"], "config.data"),
     (["compare", "digits_mlp", "--policies", "fp32,fp33"], "--policies"),
+    (["train", "--num_processes", "2", "--process_id", "0"], "jax.distributed.initialize failed"),
   ],
 )
 def test_bad_input_is_one_line_and_exit_status_2(argv, message, capsys):
