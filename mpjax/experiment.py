@@ -453,7 +453,8 @@ def _check_processes_agree(path: pathlib.Path, start: int, dataset: data_lib.Dat
   crc = 0
   for key in sorted(dataset.train):
     crc = zlib.crc32(np.ascontiguousarray(dataset.train[key]).tobytes(), crc)
-  if (_from_every_process(crc & 0x7FFFFFFF) != crc & 0x7FFFFFFF).any():
+  crc &= 0x7FFFFFFF  # an int32 for the all-gather
+  if (_from_every_process(crc) != crc).any():
     raise ConfigError(
       f"the processes built different {dataset.name!r} datasets (a different Python or "
       "scikit-learn on some host?); every process must see the same data."
