@@ -248,8 +248,9 @@ def mixed_dot_general(compute_dtype: DTypeLike = jnp.bfloat16) -> Callable[..., 
   master weights). An explicit ``precision`` or ``preferred_element_type`` is
   honoured by falling back to ``lax.dot_general`` as asked, except a
   ``preferred_element_type`` that only restates the operands' own dtype (as
-  ``jnp.einsum`` passes): that one only sets the result's dtype. ``out_sharding`` (which NNX's
-  ``Linear`` passes, even as ``None``) is honoured on the f32-accumulating path.
+  ``jnp.einsum`` passes): that one only sets the result's dtype.
+  ``out_sharding`` (which NNX's ``Linear`` passes, even as ``None``) is
+  honoured on the f32-accumulating path.
 
   Args:
     compute_dtype: the operand dtype, usually ``jnp.bfloat16`` or ``jnp.float16``.
