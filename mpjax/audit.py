@@ -1,7 +1,7 @@
 """GEMM audit: which GEMMs and convolutions of a function run on the mixed-precision fast path.
 
 :func:`audit` traces a function as ``jax.jit`` would compile it and lists every
-``dot_general`` and ``conv_general_dilated`` of the program (inside ``jit``,
+``dot_general``, ``ragged_dot_general`` and ``conv_general_dilated`` of the program (inside ``jit``,
 ``custom_jvp``/``custom_vjp``, ``cond``, ``while``, ``scan``, ``remat`` and
 ``shard_map`` too), with its operand and result dtypes, shapes, FLOPs, module
 path and precision, and whether its dimensions suit Tensor Cores. On a GPU it
@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jcore
 
-from mpjax.autocast import _flops_conv, _flops_dot
+from mpjax.autocast import _dot_numbers, gemm_flops
 
 __all__ = [
   "AuditReport",
@@ -46,7 +46,7 @@ __all__ = [
 ]
 
 _F32 = np.dtype(jnp.float32)
-_GEMM_PRIMITIVES = ("dot_general", "conv_general_dilated")
+_GEMM_PRIMITIVES = ("dot_general", "ragged_dot_general", "conv_general_dilated")
 # The calls that run a GEMM on Tensor Cores (or the matrix units of the GPU at hand).
 _FAST_CALLS = frozenset({"cublas_lt", "cublas_lt_f8", "cublas", "triton_gemm", "cudnn"})
 
@@ -493,7 +493,8 @@ class GemmRow(_Operands):
   """One GEMM or convolution of the audited program.
 
   Attributes:
-    op: ``"dot_general"`` or ``"conv_general_dilated"``.
+    op: ``"dot_general"``, ``"ragged_dot_general"`` (grouped GEMMs) or
+      ``"conv_general_dilated"``.
     path: the module path (the equation's name stack, e.g.
       ``"transpose(jvp(MLP))/Dense_1"``; empty at the top level).
     lhs_shape: the left operand's shape.
@@ -547,7 +548,7 @@ class GemmRow(_Operands):
   @property
   def shape(self) -> str:
     """``"256x512 @ 512x1024 -> 256x1024"`` (``*`` for a convolution)."""
-    sep = " @ " if self.op == "dot_general" else " * "
+    sep = " * " if self.op == "conv_general_dilated" else " @ "
     lhs, rhs, out = ("x".join(map(str, s)) or "()" for s in self._shapes)
     return f"{lhs}{sep}{rhs} -> {out}"
 
@@ -586,8 +587,10 @@ def _precision_name(precision: Any) -> str:
 
 
 def _dot_row_dims(eqn: Any) -> dict[str, int]:
-  (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+  (lc, rc), (lb, rb) = _dot_numbers(eqn)
   lhs, rhs = (v.aval.shape for v in eqn.invars[:2])
+  if eqn.primitive.name == "ragged_dot_general":  # a weight's group dim is not part of N
+    rb = (*rb, *eqn.params["ragged_dot_dimension_numbers"].rhs_group_dimensions)
   return _dot_dims(lhs, rhs, lc, rc, lb, rb)
 
 
@@ -609,7 +612,7 @@ def _conv_row_dims(eqn: Any) -> dict[str, int]:
 def _row(eqn: Any, path: str, count: int, note: str) -> GemmRow:
   lhs, rhs = (v.aval for v in eqn.invars[:2])
   out = eqn.outvars[0].aval
-  is_dot = eqn.primitive.name == "dot_general"
+  is_dot = eqn.primitive.name != "conv_general_dilated"
   dims = _dot_row_dims(eqn) if is_dot else _conv_row_dims(eqn)
   alignment = None
   if _is_half(lhs.dtype) and _is_half(rhs.dtype):
@@ -618,7 +621,7 @@ def _row(eqn: Any, path: str, count: int, note: str) -> GemmRow:
   misaligned = tuple(
     f"{d}={dims[d]}" for d in checked if alignment is not None and dims[d] % alignment
   )
-  flops = _flops_dot(eqn) if is_dot else _flops_conv(eqn)
+  flops = gemm_flops(eqn)
   return GemmRow(
     op=eqn.primitive.name,
     path=path,
@@ -687,11 +690,14 @@ def _signature(op: str, lhs: Sequence[int], rhs: Sequence[int], out: Sequence[in
   """What a GEMM keeps through XLA's rewrites: sizes up to transposes and operand swaps."""
   if op == "dot":
     return ("dot", dims["batch"], tuple(sorted((dims["M"], dims["N"]))), dims["K"])
-  return ("conv", tuple(sorted(tuple(sorted(s)) for s in (lhs, rhs, out))))
+  if op == "conv":
+    return ("conv", tuple(sorted(tuple(sorted(s)) for s in (lhs, rhs, out))))
+  return (op,)
 
 
 def _row_signature(row: GemmRow) -> tuple:
-  op = "dot" if row.op == "dot_general" else "conv"
+  # A ragged dot becomes a loop of dots or a custom call of other sizes: it matches none.
+  op = {"dot_general": "dot", "conv_general_dilated": "conv"}.get(row.op, row.op)
   return _signature(op, row.lhs_shape, row.rhs_shape, row.out_shape, row.dims)
 
 
@@ -750,7 +756,7 @@ def _flags(row: GemmRow, platform: str) -> tuple[Flag, ...]:
   if row.misaligned:
     cost = (
       "on a GPU XLA pads the operands with copies"
-      if row.op == "dot_general"
+      if row.op != "conv_general_dilated"
       else "cuDNN falls back to slower kernels (XLA does not pad half convolutions)"
     )
     flags.append(

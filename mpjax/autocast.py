@@ -4,10 +4,11 @@
 jaxpr equation by equation, choosing each operation's dtypes from its class
 (what ``torch.autocast`` and TensorFlow's AMP graph rewrite do):
 
-- ``lower``: GEMMs and convolutions take compute-dtype operands, accumulate in
-  f32 (``preferred_element_type``) and return the compute dtype. The two GEMMs
-  (or convolutions) of each one's gradient do the same, and gradients with
-  respect to f32 operands come back f32.
+- ``lower``: GEMMs (``dot_general``, and ``ragged_dot_general``: the grouped
+  GEMMs of mixture-of-experts layers) and convolutions take compute-dtype
+  operands, accumulate in f32 (``preferred_element_type``) and return the
+  compute dtype. The two GEMMs (or convolutions) of each one's gradient do the
+  same, and gradients with respect to f32 operands come back f32.
 - ``fp32``: exp, log, pow, rsqrt, squares, reductions, cumulative sums, linear
   algebra: inputs go up to f32. Softmax, log-softmax, logsumexp and norm
   statistics are built from these, so they run in f32 too.
@@ -52,7 +53,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.extend import core as jcore
 
 from mpjax._dtypes import is_castable_dtype as _castable
-from mpjax.gemm import mixed_conv, mixed_dot
+from mpjax.gemm import mixed_conv, mixed_dot, mixed_ragged_dot
 from mpjax.policy import Policy, get_policy
 
 __all__ = ["autocast", "autocast_report", "AutocastReport", "OP_CLASSES"]
@@ -64,7 +65,7 @@ LEVELS = ("full", "gemm_only")
 
 _F32 = np.dtype(jnp.float32)
 
-_LOWER = ("dot_general", "conv_general_dilated")
+_LOWER = ("dot_general", "ragged_dot_general", "conv_general_dilated")
 _FP32 = (
   "exp exp2 expm1 log log1p pow integer_pow square rsqrt tan asin acos asinh acosh atanh "
   "sinh cosh erf_inv lgamma digamma igamma igammac igamma_grad_a random_gamma_grad "
@@ -126,9 +127,9 @@ _VIEWS = frozenset("reshape transpose broadcast_in_dim squeeze expand_dims slice
 # elementwise and layout ops between GEMMs, in whatever precision they ran.
 _SAVED = "mpjax.autocast"
 _KEPT = frozenset(
-  "dot_general conv_general_dilated reduce_sum reduce_prod reduce_max reduce_min argmax argmin "
-  "reduce_and reduce_or cumsum cumprod cumlogsumexp cummax cummin sort top_k fft cholesky "
-  "triangular_solve lu qr eigh eig svd schur householder_product tridiagonal "
+  "dot_general ragged_dot_general conv_general_dilated reduce_sum reduce_prod reduce_max "
+  "reduce_min argmax argmin reduce_and reduce_or cumsum cumprod cumlogsumexp cummax cummin sort "
+  "top_k fft cholesky triangular_solve lu qr eigh eig svd schur householder_product tridiagonal "
   "tridiagonal_solve".split()
 )
 
@@ -254,25 +255,45 @@ def _as_traced(eqn: Any, invals: Sequence[Any], kinds: Sequence[int]) -> list[An
   ]
 
 
-def _flops_dot(eqn: Any) -> float:
-  (lc, _), _ = eqn.params["dimension_numbers"]
-  lhs = eqn.invars[0].aval.shape
-  return 2.0 * math.prod(eqn.outvars[0].aval.shape) * math.prod(lhs[d] for d in lc)
+def _dot_numbers(eqn: Any) -> Any:
+  """A dot's ``((lhs, rhs) contracting, (lhs, rhs) batch)`` dims, ragged or not."""
+  if eqn.primitive.name == "ragged_dot_general":
+    return eqn.params["ragged_dot_dimension_numbers"].dot_dimension_numbers
+  return eqn.params["dimension_numbers"]
 
 
-def _flops_conv(eqn: Any) -> float:
-  rhs = eqn.invars[1].aval.shape
-  spec = eqn.params["dimension_numbers"].rhs_spec  # (out feature, in feature, *spatial)
-  per_output = math.prod(rhs[d] for d in spec[1:])
-  return 2.0 * math.prod(eqn.outvars[0].aval.shape) * per_output / eqn.params["batch_group_count"]
+def gemm_flops(eqn: Any) -> float:
+  """The FLOPs (2 per multiply-add) of a GEMM or convolution equation; 0 for any other."""
+  name = eqn.primitive.name
+  out = math.prod(eqn.outvars[0].aval.shape)
+  if name in ("dot_general", "ragged_dot_general"):
+    (lc, _), _ = _dot_numbers(eqn)
+    lhs = eqn.invars[0].aval.shape
+    flops = 2.0 * out * math.prod(lhs[d] for d in lc)
+    if (
+      name == "ragged_dot_general"
+      and not eqn.params["ragged_dot_dimension_numbers"].rhs_group_dimensions
+    ):
+      # The ragged dimension is contracted: the result has a group dimension
+      # and each group contracts only its own rows.
+      flops /= eqn.invars[2].aval.shape[0]
+    return flops
+  if name == "conv_general_dilated":
+    rhs = eqn.invars[1].aval.shape
+    spec = eqn.params["dimension_numbers"].rhs_spec  # (out feature, in feature, *spatial)
+    per_output = math.prod(rhs[d] for d in spec[1:])
+    return 2.0 * out * per_output / eqn.params["batch_group_count"]
+  return 0.0
 
 
 def _explicit(eqn: Any) -> bool:
   """Whether a GEMM's dtypes were chosen by its author (a precision, a mixed or other dtype)."""
-  lhs_t, rhs_t = (v.aval.dtype for v in eqn.invars)
+  lhs_t, rhs_t = (v.aval.dtype for v in eqn.invars[:2])
   pet = eqn.params.get("preferred_element_type")
   return (
     eqn.params.get("precision") is not None
+    or eqn.params.get("group_offset") is not None
+    or (eqn.primitive.name == "ragged_dot_general" and eqn.params.get("out_sharding") is not None)
     or (pet is not None and np.dtype(pet) != np.dtype(lhs_t))
     or lhs_t != rhs_t
     or not _castable(lhs_t)
@@ -284,12 +305,18 @@ def _lower(ctx: _Ctx, eqn: Any, invals: list[Any], kinds: list[int], compute: np
   # Computed operands come cast already (see _eval_jaxpr), so that the backward
   # pass keeps the compute-dtype copy; an input (a weight) goes in as it is and
   # is cast inside, so no low-precision copy of it is kept.
-  ops = [x if k == _INPUT else _cast(x, compute, k) for x, k in zip(invals, kinds, strict=True)]
+  ops = [
+    x if k == _INPUT or not _castable(x.dtype) else _cast(x, compute, k)
+    for x, k in zip(invals, kinds, strict=True)
+  ]
   if eqn.primitive.name == "dot_general":
     (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
     dims = ((tuple(lc), tuple(rc)), (tuple(lb), tuple(rb)))
     dot = mixed_dot.fun if ctx.linear else mixed_dot
     out = dot(ops[0], ops[1], dims, compute, eqn.params.get("out_sharding"))
+  elif eqn.primitive.name == "ragged_dot_general":
+    ragged = mixed_ragged_dot.fun if ctx.linear else mixed_ragged_dot
+    out = ragged(*ops, eqn.params["ragged_dot_dimension_numbers"], compute)
   else:
     conv_params = {
       k: v for k, v in eqn.params.items() if k not in ("precision", "preferred_element_type")
@@ -361,7 +388,7 @@ def _eval_jaxpr(
 
   def operand(v, x, kind, dtype):
     """A computed GEMM operand in ``dtype``: cast once, and under remat kept for the backward."""
-    if kind != _ACT:
+    if kind != _ACT or not _castable(v.aval.dtype):  # a ragged dot's group sizes stay
       return x
     if (v, dtype) not in operands:
       x = _cast(x, dtype)
@@ -416,11 +443,7 @@ def _eval_jaxpr(
         else:
           out_kind = _ACT
         if ctx.records is not None:
-          flops = 0.0
-          if name == "dot_general":
-            flops = _flops_dot(eqn)
-          elif name == "conv_general_dilated":
-            flops = _flops_conv(eqn)
+          flops = gemm_flops(eqn)
           out_dtype = next((o.dtype for o in outs if hasattr(o, "dtype")), None)
           traced_half = any(
             _castable(v.aval.dtype) and np.dtype(v.aval.dtype).itemsize < 4 for v in eqn.invars

@@ -23,7 +23,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax._src.interpreters import ad as _ad
 from jax._src.lax import convolution as _conv
+from jax._src.lax import lax as _lax
 from jax.sharding import PartitionSpec as P
 from jax.typing import DTypeLike
 
@@ -224,6 +226,54 @@ def _mixed_conv_bwd(params, compute_dtype, residuals, g):
 
 
 mixed_conv.defvjp(_mixed_conv_fwd, _mixed_conv_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def mixed_ragged_dot(lhs, rhs, group_sizes, dimension_numbers, compute_dtype):
+  """``ragged_dot_general`` (grouped GEMMs, as in mixture-of-experts layers) the same way.
+
+  Compute-dtype operands and f32 accumulation, forward and backward; the
+  gradients come back in each operand's own dtype. ``group_sizes`` (integers)
+  gets no gradient.
+  """
+  out = lax.ragged_dot_general(
+    lhs.astype(compute_dtype),
+    rhs.astype(compute_dtype),
+    group_sizes,
+    dimension_numbers,
+    preferred_element_type=jnp.float32,
+  )
+  return out.astype(compute_dtype)
+
+
+def _mixed_ragged_dot_fwd(lhs, rhs, group_sizes, dimension_numbers, compute_dtype):
+  out = mixed_ragged_dot(lhs, rhs, group_sizes, dimension_numbers, compute_dtype)
+  return out, (lhs, rhs, group_sizes)
+
+
+def _mixed_ragged_dot_bwd(dimension_numbers, compute_dtype, residuals, g):
+  # JAX's own transpose rule, given a compute-dtype cotangent and operand: it
+  # accumulates in f32 and returns the dtype of the operand it is told is
+  # unknown (the operand's own, f32 for an f32 weight).
+  lhs, rhs, group_sizes = residuals
+  g = g.astype(compute_dtype)
+  kw = dict(
+    ragged_dot_dimension_numbers=dimension_numbers,
+    precision=None,
+    preferred_element_type=jnp.float32,
+    group_offset=None,
+  )
+  transpose = _lax._ragged_dot_general_transpose_rule
+  d_lhs = transpose(
+    g, _ad.UndefinedPrimal(jax.typeof(lhs)), rhs.astype(compute_dtype), group_sizes, **kw
+  )[0]
+  d_rhs = transpose(
+    g, lhs.astype(compute_dtype), _ad.UndefinedPrimal(jax.typeof(rhs)), group_sizes, **kw
+  )[1]
+  return d_lhs, d_rhs, None
+
+
+mixed_ragged_dot.defvjp(_mixed_ragged_dot_fwd, _mixed_ragged_dot_bwd)
 
 
 def _same_as_operands(lhs: jax.Array, rhs: jax.Array, preferred_element_type: Any) -> bool:

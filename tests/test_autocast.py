@@ -17,7 +17,7 @@ from jax.extend import core as jcore
 import mpjax
 
 BF16, F16, F32 = np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(jnp.float32)
-GEMMS = ("dot_general", "conv_general_dilated")
+GEMMS = ("dot_general", "ragged_dot_general", "conv_general_dilated")
 
 
 # --- Models -------------------------------------------------------------------------------------
@@ -132,7 +132,7 @@ def _gemms(jaxpr):
   for eqn in _eqns(jaxpr):
     if eqn.primitive.name in GEMMS:
       acc = eqn.params.get("preferred_element_type") or eqn.outvars[0].aval.dtype
-      found.append((_in_dtypes(eqn), np.dtype(acc)))
+      found.append((_in_dtypes(eqn)[:2], np.dtype(acc)))  # a ragged dot's group sizes: int
   return found
 
 
@@ -457,6 +457,34 @@ def test_autocast_enters_a_scan_over_stacked_layer_params():
   assert "scan" in _primitives(jaxpr)  # still a loop, GEMMs lowered inside it
   # Forward, and both backward GEMMs, once each in the loop bodies.
   assert len(_gemms(jaxpr)) == 3
+
+
+def _experts(params, x):
+  """A mixture-of-experts layer: each token to one of 8 experts, one ragged (grouped) GEMM."""
+  expert = jnp.argmax(x @ params["router"], axis=-1)
+  order = jnp.argsort(expert)
+  group_sizes = jnp.bincount(expert, length=params["w"].shape[0]).astype(jnp.int32)
+  h = lax.ragged_dot(x[order], params["w"], group_sizes)
+  return jnp.tanh(h)[jnp.argsort(order)]
+
+
+def test_autocast_lowers_a_ragged_dot_forward_and_backward():
+  params = {"router": _normal(0, (32, 8)), "w": _normal(1, (8, 32, 48), 0.2)}
+  x = _normal(2, (64, 32))
+  jaxpr = _check_matches_f32(mpjax.autocast(_experts, "mixed_bf16"), _experts, params, x)
+  # Forward, and the two GEMMs of its gradient (the weight's in ragged-contracting mode).
+  ragged = [e for e in _eqns(jaxpr) if e.primitive.name == "ragged_dot_general"]
+  assert len(ragged) == 3
+  modes = {e.params["ragged_dot_dimension_numbers"].rhs_group_dimensions for e in ragged}
+  assert modes == {(0,), ()}
+  report = mpjax.autocast_report(_experts, params, x, print_report=False)
+  assert report.lowered_flops == report.gemm_flops == 2 * 64 * 32 * 8 + 2 * 64 * 32 * 48
+  rows = mpjax.audit(jax.grad(lambda p, x: jnp.sum(mpjax.autocast(_experts)(p, x))), params, x)
+  ragged_rows = [r for r in rows.rows if r.op == "ragged_dot_general"]
+  # Each of the 3 grouped GEMMs does 64 x 32 x 48 multiply-adds, whatever its mode.
+  assert [r.flops for r in ragged_rows] == [2 * 64 * 32 * 48] * 3
+  assert ragged_rows[0].dims == {"batch": 1, "M": 64, "N": 48, "K": 32}
+  assert rows.fast_path_share == 1.0
 
 
 def test_autocast_composes_with_vmap_both_ways():
