@@ -365,7 +365,8 @@ class Experiment:
 
   def make_step(self) -> Callable[[TrainState, Any], tuple[TrainState, dict[str, Any]]]:
     """The jitted train step, donating the state."""
-    step = make_train_step(self.loss_fn, with_model_state=True)
+    # A run checks every step, whatever the policy: a bad batch is skipped, not trained on.
+    step = make_train_step(self.loss_fn, with_model_state=True, skip_nonfinite=True)
     return jax.jit(step, donate_argnums=0)
 
   @functools.cached_property

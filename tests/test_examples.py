@@ -71,12 +71,13 @@ def _script(name):
 
 
 def test_bench_script_runs_every_variant(capsys):
-  results = _script("bench").main(["--small", "--rounds", "2"])
+  results = _script("bench").main(["--small", "--rounds", "2", "--compiles", "2"])
   assert set(results) == {"mlp", "transformer"}
   for table in results.values():
     assert set(table) == {
       "plain fp32",
       "mpjax fp32",
+      "mpjax fp32 skip_nonfinite",
       "mpjax mixed_bf16 autocast",
       "mpjax mixed_bf16 cast",
       "mpjax mixed_fp16 autocast",
@@ -84,6 +85,7 @@ def test_bench_script_runs_every_variant(capsys):
       "jmp cast",
     }
     assert table["plain fp32"]["step_ratio"] == 1.0
+    assert all(r["compile_s"] > 0 for r in table.values())
     # autocast saves bf16 activations and no bf16 weight copies: less than fp32
     assert table["mpjax mixed_bf16 autocast"]["residual_ratio"] < 0.9
   assert "| mpjax mixed_bf16 autocast |" in capsys.readouterr().out
@@ -95,7 +97,8 @@ def test_bench_script_keras_peer_ceiling_and_json(tmp_path, capsys, monkeypatch)
   monkeypatch.setenv("KERAS_BACKEND", "jax")  # what the script sets before importing keras
   pytest.importorskip("keras")
   path = tmp_path / "bench.json"
-  args = ["--small", "--rounds", "1", "--models", "mlp", "--keras", "yes", "--json", str(path)]
+  args = ["--small", "--rounds", "1", "--compiles", "1", "--models", "mlp", "--keras", "yes"]
+  args += ["--json", str(path)]
   results = _script("bench").main(args)
   mlp = results["mlp"]
   assert "keras mixed_bfloat16" in mlp

@@ -58,7 +58,7 @@ def test_bf16_step_matches_f32_reference_and_keeps_f32_masters():
   state, metrics = step(_state("mixed_bf16"), batch)
   chex.assert_type(jax.tree.leaves(state.params), jnp.float32)
   chex.assert_type(jax.tree.leaves(state.opt_state), jnp.float32)
-  chex.assert_type([metrics["loss"], metrics["grad_norm"]], jnp.float32)
+  chex.assert_type(metrics["loss"], jnp.float32)
   # The update (new - old) agrees with the f32 update within bf16 tolerance.
   old = _params()
   ref_update = jax.tree.map(jnp.subtract, ref_state.params, old)
@@ -164,7 +164,7 @@ def test_mixed_policies_autocast_by_default(policy, half):
   assert len(gemms) == 9  # 3 layers x (forward + 2 gradient GEMMs)
   assert all(g == (half, half) for g in gemms), gemms
   state, metrics = jax.jit(step)(_state(policy), _batch())
-  assert bool(metrics["grads_finite"]) and int(state.step) == 1
+  assert bool(jnp.isfinite(metrics["loss"])) and int(state.step) == 1
 
 
 def test_autocast_rules_are_checked_when_the_step_is_made():
@@ -206,6 +206,41 @@ def test_inf_in_one_batch_skips_the_step_bit_identically():
   assert int(state.skipped_steps) == 1 and int(state.step) == 2
   state, metrics = step(state, batch)  # and training goes on
   assert bool(metrics["grads_finite"]) and int(state.step) == 3
+
+
+@pytest.mark.parametrize(
+  "policy,loss_scale,skip_nonfinite,checked",
+  [
+    ("fp32", None, None, False),
+    ("mixed_bf16", None, None, False),
+    ("mixed_fp16", None, None, True),
+    ("mixed_fp16", mpjax.NoOpLossScale(), None, True),  # fp16's range, even unscaled
+    ("fp32", mpjax.StaticLossScale(2.0**8), None, True),
+    ("fp32", None, True, True),
+    ("mixed_fp16", mpjax.StaticLossScale(2.0**8), False, False),
+  ],
+)
+def test_the_step_checks_gradients_where_the_loss_is_scaled_or_fp16_unless_told(
+  policy, loss_scale, skip_nonfinite, checked
+):
+  step = mpjax.make_train_step(loss_fn, skip_nonfinite=skip_nonfinite)
+  state = _state(policy, loss_scale=loss_scale)
+  # An unchecked step is a plain optax step: no conditional, no norm of the gradients.
+  primitives = {e.primitive.name for e in jax.make_jaxpr(step)(state, _batch()).jaxpr.eqns}
+  assert ("cond" in primitives) == checked
+  step = jax.jit(step)
+  state, metrics = step(state, _batch())
+  keys = {"loss", "loss_scale"} | ({"grad_norm", "grads_finite"} if checked else set())
+  assert set(metrics) == keys
+  poisoned = _batch()
+  poisoned["x"] = poisoned["x"].at[5, 3].set(jnp.inf)
+  new_state, _ = step(state, poisoned)
+  if checked:
+    chex.assert_trees_all_equal(new_state.params, state.params)
+    assert int(new_state.skipped_steps) == 1 and int(new_state.step) == 1
+  else:  # trained on, as plain optax would
+    assert not all(bool(jnp.isfinite(x).all()) for x in jax.tree.leaves(new_state.params))
+    assert int(new_state.skipped_steps) == 0 and int(new_state.step) == 2
 
 
 def test_fp16_underflow_needs_loss_scaling():
@@ -308,6 +343,10 @@ def test_bad_construction_input_is_named():
     mpjax.make_train_step("loss")
   with pytest.raises(TypeError, match="mpjax.TrainState"):
     mpjax.make_train_step(loss_fn)({"params": _params()}, _batch())
+  with pytest.raises(TypeError, match="skip_nonfinite='yes' must be True, False or None"):
+    mpjax.make_train_step(loss_fn, skip_nonfinite="yes")
+  with pytest.raises(ValueError, match="skip_nonfinite=False with a DynamicLossScale"):
+    mpjax.make_train_step(loss_fn, skip_nonfinite=False)(_state("mixed_fp16"), _batch())
 
 
 class _BatchNormNet(nn.Module):
@@ -338,7 +377,7 @@ def test_model_state_batchnorm_statistics_update_in_f32_and_match_the_f32_refere
     tx=optax.sgd(0.1),
     policy=policy,
   )
-  step = jax.jit(mpjax.make_train_step(bn_loss, with_model_state=True))
+  step = jax.jit(mpjax.make_train_step(bn_loss, with_model_state=True, skip_nonfinite=True))
   new_state, _ = step(state, batch)
   # Reference: the same update of the running mean, computed in f32 by hand.
   h = batch["x"] @ variables["params"]["Dense_0"]["kernel"] + variables["params"]["Dense_0"]["bias"]
