@@ -971,7 +971,9 @@ def _abstract(tree: Any) -> Any:
       sharding = x.sharding
     except (RuntimeError, ValueError):
       sharding = None
-    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding, weak_type=x.weak_type)
+    # A typed PRNG key array has no weak_type.
+    weak_type = getattr(x, "weak_type", False)
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding, weak_type=weak_type)
 
   return jax.tree.map(one, tree)
 

@@ -55,7 +55,7 @@ def _row_major(x: jax.Array) -> jax.Array:
 
 def _transpose_to(x: jax.Array, order: Sequence[int]) -> jax.Array:
   if list(order) == list(range(x.ndim)):
-    return x
+    return _row_major(x)
   return _row_major(jnp.transpose(x, order))
 
 
@@ -91,13 +91,16 @@ def _dot_f32(
   if nb:
     b = _transpose_to(b, bb + bc + bf)
     bb, bc = list(range(nb)), list(range(nb, nb + len(bc)))
-  return lax.dot_general(
+  else:
+    b = _row_major(b)
+  out = lax.dot_general(
     a,
     b,
     ((new_ac, bc), (new_ab, bb)),
     preferred_element_type=jnp.float32,
     out_sharding=out_sharding,
   )
+  return lax.optimization_barrier(out)
 
 
 def _dot_into(target, a, a_labels, b, b_labels, dims):

@@ -354,3 +354,15 @@ def test_bad_input_raises_early():
     audit_jaxpr(lambda x: x)
   with pytest.raises(TypeError, match="must be HLO module text"):
     parse_compiled_gemms(b"HloModule m")
+
+
+def test_audit_takes_a_typed_prng_key_leaf():
+  """An NNX model holding ``nnx.Rngs`` (for Dropout) has ``jax.random.key`` leaves."""
+
+  def step(params, key, x):
+    noise = jax.random.normal(key, x.shape)
+    return jnp.dot((x + noise).astype(jnp.bfloat16), params, preferred_element_type=jnp.float32)
+
+  params, x = jnp.ones((16, 32), jnp.bfloat16), jnp.ones((8, 16))
+  report = mpjax.audit(step, params, jax.random.key(0), x)
+  assert len(report.rows) == 1 and report.fast_path_share == 1.0

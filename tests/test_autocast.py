@@ -15,6 +15,7 @@ from jax._src.ad_checkpoint import saved_residuals
 from jax.extend import core as jcore
 
 import mpjax
+from mpjax.audit import parse_compiled_gemms
 
 BF16, F16, F32 = np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(jnp.float32)
 GEMMS = ("dot_general", "ragged_dot_general", "conv_general_dilated")
@@ -922,3 +923,121 @@ def test_reverse_mode_jacobian_works_and_forward_mode_is_refused_as_documented()
   np.testing.assert_allclose(jac, ref, rtol=0.05, atol=0.05)
   with pytest.raises(TypeError, match="forward-mode"):
     jax.jacfwd(f)(w, x)
+
+
+# --- Every GEMM layout runs, forward and backward ----------------------------------------------
+
+# Transposed and batched GEMMs as real models write them. XLA:CPU runs a bf16 x bf16 -> f32
+# dot only with the left operand's contracting dim last; it folds transposes written around a
+# GEMM (``w.T``, ``swapaxes``, the transpose of a gradient) into the dot and may swap its
+# operands, which once made it upcast such a GEMM to f32 or fail with "UNIMPLEMENTED:
+# Unsupported element type for DotThunk::Execute: BF16 x BF16 = F32".
+LAYOUTS = {
+  "tied_embedding_x_wT": (lambda x, w: jnp.dot(x, w.T), (8, 16), (24, 16)),
+  "tied_embedding_einsum": ("bsd,vd->bsv", (2, 8, 16), (24, 16)),
+  "lhs_transposed": (lambda x, w: x.T @ w, (16, 8), (16, 24)),
+  "scores_swapaxes": (lambda q, k: q @ jnp.swapaxes(k, -1, -2), (2, 4, 8, 16), (2, 4, 8, 16)),
+  "weight_stored_out_in": ("bsd,fd->bsf", (2, 8, 16), (32, 16)),
+  "gated_mlp_down_transposed": ("bsf,df->bsd", (2, 8, 32), (16, 32)),
+  "gated_mlp_up": ("bsd,dgf->bsgf", (2, 8, 16), (16, 2, 32)),
+  "multi_head_scores": ("bqhd,bkhd->bhqk", (2, 8, 4, 16), (2, 8, 4, 16)),
+  "multi_head_values": ("bhqk,bkhd->bqhd", (2, 4, 8, 8), (2, 8, 4, 16)),
+  "grouped_query_scores": ("bqhgd,bkhd->bhgqk", (2, 8, 2, 2, 16), (2, 8, 2, 16)),
+  "grouped_query_values": ("bhgqk,bkhd->bqhgd", (2, 2, 2, 8, 8), (2, 8, 2, 16)),
+  "multi_query_scores": ("bqhd,bkd->bhqk", (2, 8, 4, 16), (2, 8, 16)),
+  "multi_query_values": ("bhqk,bkd->bqhd", (2, 4, 8, 8), (2, 8, 16)),
+  "gemma_query_projection": ("btd,ndh->btnh", (2, 8, 16), (4, 16, 8)),
+  "gemma_output_projection": ("btnh,nhd->btd", (2, 8, 4, 8), (4, 8, 16)),
+  "sequence_major_batch": ("qbd,kbd->bqk", (8, 2, 16), (8, 2, 16)),
+}
+
+
+@pytest.mark.parametrize("options", [{}, {"remat": False}, {"level": "gemm_only"}])
+@pytest.mark.parametrize("case", sorted(LAYOUTS))
+def test_every_gemm_layout_runs_bf16_forward_and_backward(case, options):
+  form, lhs_shape, rhs_shape = LAYOUTS[case]
+  gemm = form if callable(form) else functools.partial(jnp.einsum, form)
+
+  def loss(a, b):
+    return jnp.mean(jnp.sin(gemm(a, b).astype(jnp.float32)))
+
+  a, b = (jax.random.normal(k, s) for k, s in zip(jax.random.split(jax.random.key(0)),
+                                                     (lhs_shape, rhs_shape), strict=True))
+  step = jax.jit(jax.value_and_grad(mpjax.autocast(loss, "mixed_bf16", **options), (0, 1)))
+  value, grads = step(a, b)  # runs: no "Unsupported element type for DotThunk"
+  ref_value, ref_grads = jax.value_and_grad(loss, (0, 1))(a, b)
+  chex.assert_trees_all_close(value, ref_value, atol=0.01)
+  for g, r in zip(grads, ref_grads, strict=True):
+    chex.assert_type(g, jnp.float32)
+    assert float(jnp.max(jnp.abs(g - r))) <= 0.05 * float(jnp.max(jnp.abs(r)))
+  # On the fast kernel: every compiled GEMM, forward and both backward, bf16 x bf16 -> f32.
+  compiled = parse_compiled_gemms(step.lower(a, b).compile().as_text())
+  assert len(compiled) == 3
+  assert {(g.lhs_dtype, g.rhs_dtype, g.out_dtype) for g in compiled} == {
+    ("bfloat16", "bfloat16", "float32")
+  }
+
+
+@pytest.mark.parametrize("api", ["linen", "nnx"])
+def test_a_tied_embedding_lm_trains_in_mixed_bf16(api):
+  """Flax's ``Embed.attend`` (lm1b, wmt, Gemma's tied output head) under autocast, jitted."""
+  vocab, d = 32, 16
+  tokens = jnp.arange(16).reshape(2, 8) % vocab
+  if api == "linen":
+
+    class TiedLM(nn.Module):
+      @nn.compact
+      def __call__(self, t):
+        embed = nn.Embed(vocab, d)
+        return embed.attend(nn.gelu(nn.Dense(d)(embed(t))))
+
+    model = TiedLM()
+    params = model.init(jax.random.key(0), tokens)
+    apply = model.apply
+  else:
+
+    class NNXTiedLM(nnx.Module):
+      def __init__(self, rngs):
+        self.embed, self.dense = nnx.Embed(vocab, d, rngs=rngs), nnx.Linear(d, d, rngs=rngs)
+
+      def __call__(self, t):
+        return self.embed.attend(nnx.gelu(self.dense(self.embed(t))))
+
+    graphdef, params = nnx.split(NNXTiedLM(nnx.Rngs(0)))
+
+    def apply(p, t):
+      return nnx.merge(graphdef, p)(t)
+
+  def loss_fn(p, batch):
+    logits = apply(p, batch).astype(jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch).mean()
+
+  losses = {}
+  for policy in ("fp32", "mixed_bf16"):
+    state = mpjax.TrainState.create(
+      apply_fn=None, params=params, tx=optax.adam(3e-2), policy=policy
+    )
+    step = jax.jit(mpjax.make_train_step(loss_fn))
+    for _ in range(30):
+      state, metrics = step(state, tokens)
+    losses[policy] = float(metrics["loss"])
+  assert losses["fp32"] < 0.5 * math.log(vocab)  # it learns
+  assert abs(losses["mixed_bf16"] - losses["fp32"]) < 0.05 * losses["fp32"] + 0.02
+  report = mpjax.audit(step, state, tokens)
+  assert report.fast_path_share == 1.0
+
+
+def test_stack_and_unstack_are_classified_and_stack_promotes(caplog):
+  """``lax.stack`` appears where Flax's BatchNorm runs under ``vmap(axis_name=...)``."""
+
+  def fn(x, w):
+    h = x @ w  # bf16 under autocast
+    a, b = lax.unstack(lax.stack([h, h.astype(jnp.float32) * 2.0]))
+    return a, b
+
+  x, w = jnp.ones((4, 8)), jnp.ones((8, 8))
+  with caplog.at_level("WARNING", logger="mpjax"):
+    a, b = jax.jit(mpjax.autocast(fn, "mixed_bf16"))(x, w)
+  assert "not classified" not in caplog.text
+  chex.assert_type([a, b], jnp.float32)  # the f32 input wins: stack promotes
+  chex.assert_trees_all_close(b, 2.0 * a)
