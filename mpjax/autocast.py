@@ -79,7 +79,8 @@ _PROMOTE = (
   "dynamic_update_slice add_any"
 ).split()
 _FOLLOW = (
-  "reshape broadcast_in_dim transpose squeeze expand_dims slice dynamic_slice gather pad rev unstack "
+  "reshape broadcast_in_dim transpose squeeze expand_dims slice dynamic_slice gather pad rev "
+  "unstack "
   "copy copy_p reduce_precision convert_element_type stop_gradient optimization_barrier "
   "reduce_max reduce_min argmax argmin reduce_and reduce_or reduce_xor cummax cummin "
   "reduce_window_max reduce_window_min top_k sort "

@@ -961,8 +961,10 @@ def test_every_gemm_layout_runs_bf16_forward_and_backward(case, options):
   def loss(a, b):
     return jnp.mean(jnp.sin(gemm(a, b).astype(jnp.float32)))
 
-  a, b = (jax.random.normal(k, s) for k, s in zip(jax.random.split(jax.random.key(0)),
-                                                     (lhs_shape, rhs_shape), strict=True))
+  a, b = (
+    jax.random.normal(k, s)
+    for k, s in zip(jax.random.split(jax.random.key(0)), (lhs_shape, rhs_shape), strict=True)
+  )
   step = jax.jit(jax.value_and_grad(mpjax.autocast(loss, "mixed_bf16", **options), (0, 1)))
   value, grads = step(a, b)  # runs: no "Unsupported element type for DotThunk"
   ref_value, ref_grads = jax.value_and_grad(loss, (0, 1))(a, b)
