@@ -1,5 +1,7 @@
 """mpjax: functional mixed-precision training for JAX and Flax."""
 
+# First: on import it quiets XLA's CUDA compiler plugin on machines without CUDA.
+from mpjax import _backend  # noqa: F401
 from mpjax.audit import AuditReport as AuditReport
 from mpjax.audit import audit as audit
 from mpjax.autocast import OP_CLASSES as OP_CLASSES
@@ -11,6 +13,12 @@ from mpjax.data import load_dataset as load_dataset
 from mpjax.flax_policy import linen_kwargs as linen_kwargs
 from mpjax.flax_policy import nnx_apply_policy as nnx_apply_policy
 from mpjax.gemm import mixed_dot_general as mixed_dot_general
+from mpjax.gpu import TARGETS as TARGETS
+from mpjax.gpu import GpuTarget as GpuTarget
+from mpjax.gpu import KernelReport as KernelReport
+from mpjax.gpu import compile_for as compile_for
+from mpjax.gpu import get_target as get_target
+from mpjax.gpu import kernel_report as kernel_report
 from mpjax.loss_scale import DynamicLossScale as DynamicLossScale
 from mpjax.loss_scale import LossScale as LossScale
 from mpjax.loss_scale import NoOpLossScale as NoOpLossScale
@@ -51,6 +59,12 @@ __all__ = [
   "get_policy",
   "make_train_step",
   "mixed_dot_general",
+  "GpuTarget",
+  "KernelReport",
+  "TARGETS",
+  "compile_for",
+  "get_target",
+  "kernel_report",
   "configure_xla",
   "pad_to_multiple",
   "select_tree",

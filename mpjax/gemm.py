@@ -29,6 +29,8 @@ from jax._src.lax import lax as _lax
 from jax.sharding import PartitionSpec as P
 from jax.typing import DTypeLike
 
+from mpjax._backend import lowering_platform
+
 __all__ = ["mixed_dot_general"]
 
 DimensionNumbers = tuple[tuple[Sequence[int], Sequence[int]], tuple[Sequence[int], Sequence[int]]]
@@ -168,11 +170,34 @@ def _grad_dots(
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
 def mixed_dot(lhs, rhs, dimension_numbers, compute_dtype, out_sharding=None):
-  """``dot_general`` with compute-dtype operands and f32 accumulation, forward and backward."""
-  out = _dot_f32(
-    lhs.astype(compute_dtype), rhs.astype(compute_dtype), dimension_numbers, out_sharding
-  )
-  return out.astype(compute_dtype)
+  """``dot_general`` with compute-dtype operands and f32 accumulation, forward and backward.
+
+  Lowered for the backend it is traced for (``lowering_platform``). On a
+  CPU every GEMM is bf16 x bf16 -> f32, the fast kernel, with operands laid
+  out as it needs (row-major, the result behind a barrier so that XLA cannot
+  fold a transpose into a layout XLA:CPU cannot run). Elsewhere (GPU, TPU)
+  the GEMM writes the dtype its consumer wants (the compute dtype forward, the
+  operand's own dtype backward): cuBLASLt and the TPU accumulate a half x
+  half -> half GEMM in f32, and XLA:GPU folds transposes into the call, so no
+  f32 intermediate and no separate convert kernel is written.
+  """
+
+  def cpu(lhs, rhs):
+    out = _dot_f32(
+      lhs.astype(compute_dtype), rhs.astype(compute_dtype), dimension_numbers, out_sharding
+    )
+    return out.astype(compute_dtype)
+
+  def gpu(lhs, rhs):
+    return lax.dot_general(
+      lhs.astype(compute_dtype),
+      rhs.astype(compute_dtype),
+      dimension_numbers,
+      preferred_element_type=compute_dtype,
+      out_sharding=out_sharding,
+    )
+
+  return (cpu if lowering_platform(lhs, rhs) == "cpu" else gpu)(lhs, rhs)
 
 
 def _mixed_dot_fwd(lhs, rhs, dimension_numbers, compute_dtype, out_sharding):
@@ -183,14 +208,39 @@ def _mixed_dot_fwd(lhs, rhs, dimension_numbers, compute_dtype, out_sharding):
 
 def _mixed_dot_bwd(dimension_numbers, compute_dtype, out_sharding, residuals, g):
   lhs, rhs = residuals
-  # The cotangent may arrive transposed (through a transpose after the GEMM).
-  d_lhs, d_rhs = _grad_dots(
-    _row_major(g.astype(compute_dtype)),
-    lhs.astype(compute_dtype),
-    rhs.astype(compute_dtype),
-    dimension_numbers,
-  )
-  return d_lhs.astype(lhs.dtype), d_rhs.astype(rhs.dtype)
+
+  def cpu(g, lhs, rhs):
+    # The cotangent may arrive transposed (through a transpose after the GEMM).
+    d_lhs, d_rhs = _grad_dots(
+      _row_major(g.astype(compute_dtype)),
+      lhs.astype(compute_dtype),
+      rhs.astype(compute_dtype),
+      dimension_numbers,
+    )
+    return d_lhs.astype(lhs.dtype), d_rhs.astype(rhs.dtype)
+
+  def gpu(g, lhs, rhs):
+    # JAX's own transpose rules, each GEMM writing the operand's dtype: an f32
+    # master gets its gradient straight from the bf16 x bf16 -> f32 GEMM.
+    g = g.astype(compute_dtype)
+    kw = dict(dimension_numbers=dimension_numbers, precision=None, out_sharding=None)
+    d_lhs = _lax._dot_general_transpose_lhs(
+      g,
+      _ad.UndefinedPrimal(jax.typeof(lhs)),
+      rhs.astype(compute_dtype),
+      preferred_element_type=lhs.dtype,
+      **kw,
+    )
+    d_rhs = _lax._dot_general_transpose_rhs(
+      g,
+      lhs.astype(compute_dtype),
+      _ad.UndefinedPrimal(jax.typeof(rhs)),
+      preferred_element_type=rhs.dtype,
+      **kw,
+    )
+    return d_lhs, d_rhs
+
+  return (cpu if lowering_platform(g, lhs, rhs) == "cpu" else gpu)(g, lhs, rhs)
 
 
 mixed_dot.defvjp(_mixed_dot_fwd, _mixed_dot_bwd)

@@ -10,9 +10,10 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
+from mpjax._backend import lowering_platform
 from mpjax._dtypes import is_floating
 from mpjax.autocast import autocast as autocast_fn
-from mpjax.loss_scale import DynamicLossScale, NoOpLossScale, all_finite
+from mpjax.loss_scale import DynamicLossScale, NoOpLossScale, all_finite, select_tree
 from mpjax.train_state import TrainState
 
 __all__ = ["make_train_step"]
@@ -279,9 +280,20 @@ def make_train_step(
       )
     else:
       metrics["grads_finite"] = grads_finite = all_finite(grad_norm, axis_name=axis_name)
-      # A conditional, not a select between two full copies of params and
-      # optimizer state: a skipped step costs nothing, a finite one no extra copy.
-      params, opt_state, model_state = lax.cond(grads_finite, apply_update, keep, operands)
+
+      # Per backend (the one the step is traced for). XLA:CPU: a
+      # conditional, so a skipped step costs nothing and a finite one no extra
+      # pass. XLA:GPU: a conditional keeps the update from fusing and copies the
+      # train state in and out of it, so the update is computed and selected
+      # leaf by leaf, which fuses into the optimizer's own kernels.
+      def by_cond(finite, operands):
+        return lax.cond(finite, apply_update, keep, operands)
+
+      def by_select(finite, operands):
+        return select_tree(finite, apply_update(operands), keep(operands))
+
+      update = by_cond if lowering_platform(grads_finite, params) == "cpu" else by_select
+      params, opt_state, model_state = update(grads_finite, operands)
       skipped = (~grads_finite).astype(jnp.int32)
       new_state = state.replace(
         step=state.step + 1 - skipped,

@@ -1,0 +1,482 @@
+"""The GPU program, compiled and measured without a GPU.
+
+XLA compiles for an NVIDIA GPU on a machine that has none: given a device
+description (a ``GpuTargetConfigProto``) and XLA's CUDA compiler plugin
+(``jax-cuda12-pjrt``, the ``gpu-aot`` extra), ``jax.jit(fn).lower(...)`` yields
+the optimized program XLA:GPU would run. mpjax ships descriptions of the GPUs
+people train on (:data:`TARGETS`), compiles any jitted function for one
+(:func:`compile_for`), and reads what XLA made of it (:func:`kernel_report`):
+kernels by kind, converts that stand alone, copies, temp memory, bytes moved
+and a roofline estimate of the step time from the target's peak rates.
+
+Deviceless compilation cannot autotune: XLA keeps every GEMM a Triton fusion
+with placeholder tiles unless Triton GEMMs are turned off
+(``gemm_backend="cublaslt"``, the default here), which shows the cuBLASLt calls
+a real GPU picks among. Both kinds are read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.metadata
+import importlib.resources
+import math
+import re
+from collections import Counter
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from mpjax.audit import (
+  CompiledGemm,
+  _array,
+  _backend_config,
+  _called,
+  _computations,
+  _Instr,
+  parse_compiled_gemms,
+)
+
+__all__ = ["GpuTarget", "KernelReport", "TARGETS", "compile_for", "get_target", "kernel_report"]
+
+PLUGIN = "jax-cuda12-pjrt"
+GEMM_BACKENDS = ("cublaslt", "triton")
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuTarget:
+  """A GPU to compile for: its XLA device description and its peak rates.
+
+  Rates are NVIDIA's dense (no sparsity) Tensor Core peaks and the memory
+  bandwidth, from the product datasheets.
+
+  Attributes:
+    name: the short name (``"h100"``).
+    device: the product name.
+    compute_capability: e.g. ``"9.0"``.
+    bf16_tflops: dense bf16 Tensor Core peak (fp16 is the same on these GPUs).
+    fp8_tflops: dense fp8 peak, or ``None`` where the GPU has no fp8 Tensor Cores.
+    tf32_tflops: dense TF32 peak (what an f32 GEMM runs at by default).
+    memory_tbps: memory bandwidth in TB/s.
+
+  Example:
+    >>> import mpjax
+    >>> h100 = mpjax.get_target("h100")
+    >>> h100.compute_capability, h100.fp8_tflops / h100.bf16_tflops
+    ('9.0', 2.0)
+  """
+
+  name: str
+  device: str
+  compute_capability: str
+  bf16_tflops: float
+  fp8_tflops: float | None
+  tf32_tflops: float
+  memory_tbps: float
+
+  @property
+  def fp16_tflops(self) -> float:
+    return self.bf16_tflops
+
+  @property
+  def spec(self) -> str:
+    """The ``GpuTargetConfigProto`` text shipped in ``mpjax/gpu_targets``."""
+    return _read_spec(self.name)
+
+  def peak_tflops(self, dtype: Any) -> float:
+    """The Tensor Core peak for GEMM operands of ``dtype`` (f32 means TF32)."""
+    name = np.dtype(dtype).name
+    if name.startswith("float8"):
+      if self.fp8_tflops is None:
+        raise ValueError(f"{self.device} has no fp8 Tensor Cores.")
+      return self.fp8_tflops
+    if name in ("bfloat16", "float16"):
+      return self.bf16_tflops
+    return self.tf32_tflops
+
+
+TARGETS: Mapping[str, GpuTarget] = {
+  t.name: t
+  for t in (
+    GpuTarget("h100", "NVIDIA H100 SXM 80GB", "9.0", 989.4, 1978.9, 494.7, 3.35),
+    GpuTarget("h200", "NVIDIA H200 141GB", "9.0", 989.4, 1978.9, 494.7, 4.8),
+    GpuTarget("b200", "NVIDIA B200", "10.0", 2250.0, 4500.0, 1100.0, 8.0),
+    GpuTarget("a100", "NVIDIA A100 SXM4 80GB", "8.0", 312.0, None, 156.0, 2.039),
+    GpuTarget("l4", "NVIDIA L4 (Ada)", "8.9", 121.0, 242.0, 60.0, 0.3),
+  )
+}
+"""The GPUs :func:`compile_for` knows, by short name."""
+
+
+@functools.cache
+def _read_spec(name: str) -> str:
+  return importlib.resources.files("mpjax").joinpath(f"gpu_targets/{name}.txtpb").read_text()
+
+
+def get_target(target: str | GpuTarget) -> GpuTarget:
+  """The :class:`GpuTarget` named ``target`` (one of :data:`TARGETS`).
+
+  Args:
+    target: a short name such as ``"h100"``, or a :class:`GpuTarget`.
+
+  Returns:
+    The target.
+
+  Raises:
+    ValueError: for an unknown name; the message lists the known ones.
+
+  Example:
+    >>> import mpjax
+    >>> mpjax.get_target("a100").bf16_tflops
+    312.0
+  """
+  if isinstance(target, GpuTarget):
+    return target
+  key = str(target).strip().lower().replace("-", "").replace("_", "")
+  if key not in TARGETS:
+    raise ValueError(f"unknown GPU target {target!r}; use one of {sorted(TARGETS)}.")
+  return TARGETS[key]
+
+
+def _check_compiler() -> None:
+  """Raises unless XLA's CUDA compiler plugin matching the installed jaxlib is there."""
+  import jaxlib
+
+  wanted = jaxlib.__version__
+  fix = f'pip install --no-deps {PLUGIN}=={wanted}   (or: pip install -e ".[gpu-aot]")'
+  try:
+    installed = importlib.metadata.version(PLUGIN)
+  except importlib.metadata.PackageNotFoundError:
+    raise RuntimeError(
+      f"compiling for a GPU target needs XLA's CUDA compiler plugin, {PLUGIN}, which is not "
+      f"installed; install the one matching jaxlib {wanted}: {fix}"
+    ) from None
+  if installed != wanted:
+    raise RuntimeError(
+      f"{PLUGIN} {installed} does not match jaxlib {wanted}: XLA's compiler plugin must be "
+      f"built with the same jaxlib; {fix}"
+    )
+
+
+@functools.cache
+def _mesh(name: str) -> jax.sharding.Mesh:
+  from jax.experimental import topologies
+
+  _check_compiler()
+  topology = topologies.get_topology_desc(
+    platform="cuda", target_config=_read_spec(name), topology="1x1x1"
+  )
+  return topologies.make_mesh(topology, (1,), ("x",))
+
+
+def _on(mesh: jax.sharding.Mesh, tree: Any) -> Any:
+  """Every array leaf of ``tree`` as a ``ShapeDtypeStruct`` placed on ``mesh``."""
+  sharding = NamedSharding(mesh, P())
+
+  def one(x):
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+      return x
+    return jax.ShapeDtypeStruct(
+      x.shape, x.dtype, sharding=sharding, weak_type=getattr(x, "weak_type", False)
+    )
+
+  return jax.tree.map(one, tree)
+
+
+def compile_for(
+  fn: Callable[..., Any],
+  *args: Any,
+  target: str | GpuTarget = "h100",
+  gemm_backend: str = "cublaslt",
+  **kwargs: Any,
+) -> jax.stages.Compiled:
+  """Compiles ``fn(*args, **kwargs)`` for a GPU, on any machine.
+
+  Arrays in ``args``/``kwargs`` only give shapes and dtypes (no buffer is
+  read). A ``jax.jit`` function keeps its own options (``donate_argnums``,
+  static arguments); a plain function is jitted as is.
+
+  Args:
+    fn: the function, e.g. a jitted train step.
+    *args: its arguments (arrays or ``jax.ShapeDtypeStruct`` s).
+    target: a :data:`TARGETS` name or a :class:`GpuTarget`.
+    gemm_backend: ``"cublaslt"`` (Triton GEMMs off: every GEMM a cuBLASLt call,
+      what XLA falls back to without autotuning) or ``"triton"`` (XLA's
+      default: Triton GEMM fusions, with placeholder tiles when compiled
+      without a GPU).
+    **kwargs: its keyword arguments.
+
+  Returns:
+    The compiled program: ``.as_text()`` is the optimized GPU HLO,
+    ``.memory_analysis()`` its memory; it cannot run here.
+
+  Raises:
+    ValueError: for an unknown target or GEMM backend.
+    RuntimeError: when the ``jax-cuda12-pjrt`` compiler plugin is missing or does
+      not match jaxlib; the message gives the command that fixes it.
+
+  Example:
+    >>> import jax.numpy as jnp, mpjax
+    >>> x = jnp.ones((256, 512), jnp.bfloat16)
+    >>> hlo = mpjax.compile_for(jnp.dot, x, x.T, target="h100").as_text()
+    >>> "__cublas$lt$matmul" in hlo
+    True
+  """
+  target = get_target(target)
+  if gemm_backend not in GEMM_BACKENDS:
+    raise ValueError(f"gemm_backend={gemm_backend!r} is not one of {GEMM_BACKENDS}.")
+  mesh = _mesh(target.name)
+  jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
+  options = {"xla_gpu_enable_triton_gemm": gemm_backend == "triton"}
+  return jitted.lower(*_on(mesh, args), **_on(mesh, kwargs)).compile(options)
+
+
+# --------------------------------------------------------------------------- kernels
+
+# Instructions that launch nothing: they name, view or group buffers.
+_FREE = frozenset(
+  "parameter constant get-tuple-element tuple bitcast after-all partition-id replica-id "
+  "opt-barrier optimization-barrier add-dependency domain".split()
+)
+_COPIES = frozenset({"copy", "copy-start", "copy-done", "transpose"})
+_GEMM_KINDS = frozenset({"cublas_lt", "cublas_lt_f8", "cublas", "triton_gemm"})
+
+
+def _bytes(type_str: str | None) -> int:
+  """The bytes of every array in an HLO type (a tuple's elements summed)."""
+  total = 0
+  for dtype, dims in re.findall(r"([a-z][a-z0-9]*)\[([0-9,]*)\]", type_str or ""):
+    if dtype in ("token",):
+      continue
+    size = math.prod(int(d) for d in dims.split(",") if d)
+    bits = 1 if dtype == "pred" else int(re.sub(r"\D", "", dtype.split("e")[0]) or 8)
+    total += size * max(bits, 8) // 8
+  return total
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+  """One kernel of the compiled program: what it is, what it moves, what it computes."""
+
+  name: str
+  kind: str
+  bytes: int
+  flops: float
+  peak_dtype: str | None
+  standalone_convert: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelReport:
+  """What XLA:GPU made of a program: its kernels, memory and an estimated time.
+
+  Attributes:
+    target: the :class:`GpuTarget` it was compiled for.
+    kernels: each kernel launched per call, in program order (a conditional's
+      branches and a loop body counted once per trip where XLA knows the trip
+      count).
+    temp_bytes: XLA's temp buffer size (``memory_analysis()``).
+    argument_bytes: the size of the arguments (the train state and batch).
+    gemm_backend: ``"cublaslt"`` or ``"triton"``.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, mpjax
+    >>> x = jnp.ones((256, 512), jnp.bfloat16)
+    >>> report = mpjax.kernel_report(lambda a: jax.nn.relu(a @ a.T), x, target="h100")
+    >>> report.by_kind["gemm"], report.flops
+    (1, 67108864.0)
+  """
+
+  target: GpuTarget
+  kernels: tuple[Kernel, ...]
+  temp_bytes: int
+  argument_bytes: int
+  gemm_backend: str
+
+  @property
+  def count(self) -> int:
+    """Kernels per call."""
+    return len(self.kernels)
+
+  @property
+  def by_kind(self) -> Counter:
+    """Kernels per kind: ``gemm``, ``conv``, ``fusion``, ``copy``, ``conditional``, ``other``."""
+    return Counter(k.kind for k in self.kernels)
+
+  @property
+  def standalone_converts(self) -> int:
+    """Fusions that do nothing but convert dtypes: a cast XLA could not fold into a neighbour."""
+    return sum(k.standalone_convert for k in self.kernels)
+
+  @property
+  def bytes_moved(self) -> int:
+    """Bytes read and written by all kernels (each operand once, each result once)."""
+    return sum(k.bytes for k in self.kernels)
+
+  @property
+  def copy_bytes(self) -> int:
+    """Bytes moved by copy and transpose kernels."""
+    return sum(k.bytes for k in self.kernels if k.kind == "copy")
+
+  @property
+  def flops(self) -> float:
+    """GEMM and convolution FLOPs."""
+    return sum(k.flops for k in self.kernels)
+
+  @property
+  def estimated_seconds(self) -> float:
+    """A roofline estimate, not a measurement: each kernel takes the longer of its
+    GEMM FLOPs at the target's Tensor Core peak for its operand dtype and its
+    bytes at the memory bandwidth. Launch overheads and achieved (not peak)
+    rates are left out, so a real step is slower."""
+    total = 0.0
+    for k in self.kernels:
+      compute = k.flops / (self.target.peak_tflops(k.peak_dtype) * 1e12) if k.flops else 0.0
+      total += max(compute, k.bytes / (self.target.memory_tbps * 1e12))
+    return total
+
+  def to_dict(self) -> dict[str, Any]:
+    return {
+      "target": self.target.name,
+      "gemm_backend": self.gemm_backend,
+      "kernels": self.count,
+      "by_kind": dict(self.by_kind),
+      "standalone_converts": self.standalone_converts,
+      "bytes_moved": self.bytes_moved,
+      "copy_bytes": self.copy_bytes,
+      "argument_bytes": self.argument_bytes,
+      "temp_bytes": self.temp_bytes,
+      "gemm_flops": self.flops,
+      "estimated_ms": 1e3 * self.estimated_seconds,
+    }
+
+
+def _gemm_flops(gemms: list[CompiledGemm]) -> tuple[float, str | None]:
+  flops = 0.0
+  dtype = None
+  for g in gemms:
+    if g.op == "dot" and g.dims:
+      flops += 2.0 * g.dims["batch"] * g.dims["M"] * g.dims["N"] * g.dims["K"]
+    elif g.op == "conv":
+      # output elements x 2 x (kernel elements per output channel)
+      out_channels = g.rhs_shape[-1] if g.rhs_shape else 1
+      flops += 2.0 * math.prod(g.out_shape) * math.prod(g.rhs_shape) / max(out_channels, 1)
+    dtype = g.lhs_dtype
+  return flops, dtype
+
+
+def _kernels(
+  comps: dict[str, list[_Instr]], comp: str, gemms: Mapping[str, list[CompiledGemm]]
+) -> list[Kernel]:
+  """The kernels that running computation ``comp`` launches, nested control flow included."""
+  types = {i.name: i.type for i in comps.get(comp, ())}
+  out: list[Kernel] = []
+  for instr in comps.get(comp, ()):
+    op = instr.opcode
+    if op in _FREE or op in ("async-done", "async-update"):
+      continue
+    operand_bytes = sum(_bytes(t or types.get(n)) for n, t in instr.operands)
+    moved = operand_bytes + _bytes(instr.type)
+    if op == "conditional":
+      out.append(Kernel(instr.name, "conditional", 0, 0.0, None))
+      branches = re.findall(r"%?([\w.\-]+)", instr.attrs.get("branch_computations", ""))
+      branches += [
+        instr.attrs[k].lstrip("%")
+        for k in ("true_computation", "false_computation")
+        if k in instr.attrs
+      ]
+      for branch in branches:
+        out += _kernels(comps, branch, gemms)
+    elif op == "while":
+      trips = _backend_config(instr).get("known_trip_count", {}).get("n", 1)
+      body = instr.attrs.get("body", "").lstrip("%")
+      for _ in range(int(trips)):
+        out += _kernels(comps, body, gemms)
+    elif op in ("call", "async-start"):
+      for called in _called(instr) or [instr.attrs.get("to_apply", "").lstrip("%")]:
+        out += _kernels(comps, called, gemms)
+    elif instr.name in gemms:
+      flops, dtype = _gemm_flops(gemms[instr.name])
+      kind = "conv" if gemms[instr.name][0].op == "conv" else "gemm"
+      if op == "custom-call":  # the workspace (the result tuple's last element) is scratch
+        result = _array(instr.type)
+        moved = operand_bytes + (
+          _bytes(f"{result[0]}[{','.join(map(str, result[1]))}]") if result else 0
+        )
+      out.append(Kernel(instr.name, kind, moved, flops, dtype))
+    elif op == "fusion":
+      fused = comps.get(next(iter(_called(instr)), ""), [])
+      inner = {i.opcode for i in fused} - _FREE
+      if inner <= _COPIES:
+        out.append(Kernel(instr.name, "copy", moved, 0.0, None))
+      else:
+        out.append(Kernel(instr.name, "fusion", moved, 0.0, None, inner == {"convert"}))
+    else:
+      out.append(Kernel(instr.name, "copy" if op in _COPIES else "other", moved, 0.0, None))
+  return out
+
+
+def kernel_report(
+  fn: Callable[..., Any],
+  *args: Any,
+  target: str | GpuTarget = "h100",
+  gemm_backend: str = "cublaslt",
+  **kwargs: Any,
+) -> KernelReport:
+  """Compiles ``fn(*args, **kwargs)`` for a GPU target and reads its kernels.
+
+  Args:
+    fn: the function, e.g. a jitted (and donating) train step.
+    *args: its arguments (arrays or ``jax.ShapeDtypeStruct`` s).
+    target: a :data:`TARGETS` name or a :class:`GpuTarget`.
+    gemm_backend: ``"cublaslt"`` or ``"triton"`` (see :func:`compile_for`).
+    **kwargs: its keyword arguments.
+
+  Returns:
+    A :class:`KernelReport`.
+
+  Raises:
+    ValueError: for an unknown target or GEMM backend.
+    RuntimeError: when the compiler plugin is missing or mismatched.
+
+  Example:
+    >>> import jax.numpy as jnp, mpjax
+    >>> x = jnp.ones((1024, 1024), jnp.float32)
+    >>> mpjax.kernel_report(lambda a: (a * 2).sum(), x, target="a100").count
+    1
+  """
+  target = get_target(target)
+  compiled = compile_for(fn, *args, target=target, gemm_backend=gemm_backend, **kwargs)
+  return report_from_hlo(compiled.as_text(), target, compiled.memory_analysis(), gemm_backend)
+
+
+def report_from_hlo(
+  hlo_text: str, target: str | GpuTarget, memory: Any = None, gemm_backend: str = "cublaslt"
+) -> KernelReport:
+  """A :class:`KernelReport` from compiled GPU HLO text (e.g. from a real GPU's compile).
+
+  Args:
+    hlo_text: ``compiled.as_text()``.
+    target: the target whose rates the estimate uses.
+    memory: ``compiled.memory_analysis()``, for the temp and argument sizes.
+    gemm_backend: how the program was compiled, for the record.
+
+  Returns:
+    A :class:`KernelReport`.
+  """
+  comps = _computations(hlo_text)
+  entry = re.search(r"^ENTRY\s+%?([^\s(]+)", hlo_text, re.MULTILINE)
+  if entry is None:
+    raise ValueError("report_from_hlo: no ENTRY computation in the HLO text.")
+  gemms: dict[str, list[CompiledGemm]] = {}
+  for gemm in parse_compiled_gemms(hlo_text):
+    gemms.setdefault(gemm.name, []).append(gemm)
+  kernels = _kernels(comps, entry.group(1), gemms)
+  temp = int(getattr(memory, "temp_size_in_bytes", 0) or 0)
+  arguments = int(getattr(memory, "argument_size_in_bytes", 0) or 0)
+  return KernelReport(get_target(target), tuple(kernels), temp, arguments, gemm_backend)

@@ -1,0 +1,175 @@
+"""GPU programs compiled on the CPU for H100 (and other targets), read and held to targets."""
+
+import importlib.metadata
+import os
+import subprocess
+import sys
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import mpjax
+import mpjax.gpu
+from mpjax.audit import parse_compiled_gemms
+
+try:
+  importlib.metadata.version(mpjax.gpu.PLUGIN)
+except importlib.metadata.PackageNotFoundError:
+  pytest.skip(
+    'needs XLA\'s CUDA compiler plugin: pip install -e ".[gpu-aot]"', allow_module_level=True
+  )
+
+
+class Block(nn.Module):
+  d: int
+  heads: int
+
+  @nn.compact
+  def __call__(self, x):
+    b, s, _ = x.shape
+    qkv = nn.Dense(3 * self.d)(nn.LayerNorm()(x)).reshape(b, s, 3, self.heads, -1)
+    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / 8.0
+    scores = jnp.where(jnp.tril(jnp.ones((s, s), bool)), scores, jnp.finfo(scores.dtype).min)
+    att = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores), v).reshape(b, s, self.d)
+    x = x + nn.Dense(self.d)(att)
+    return x + nn.Dense(self.d)(nn.gelu(nn.Dense(4 * self.d)(nn.LayerNorm()(x))))
+
+
+class LM(nn.Module):
+  @nn.compact
+  def __call__(self, tokens):
+    x = nn.Embed(256, 256)(tokens)
+    for _ in range(2):
+      x = Block(256, 4)(x)
+    return nn.Dense(256)(nn.LayerNorm()(x))
+
+
+def _lm_step(policy, *, skip_nonfinite=None, peer=False):
+  """(donating jitted AdamW step with clipping, abstract state, abstract batch)."""
+  model = LM()
+  batch = {"x": jax.ShapeDtypeStruct((8, 128), jnp.int32)}
+  batch["y"] = batch["x"]
+  params = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((8, 128), jnp.int32)))
+  cast = jax.tree.map if peer else None
+
+  def loss_fn(p, b):
+    if cast:  # the Flax dtype=bfloat16 / jmp peer: a bf16 copy of every weight, bf16 throughout
+      p = cast(lambda w: w.astype(jnp.bfloat16), p)
+    logits = model.apply(p, b["x"]).astype(jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
+
+  kw = dict(autocast=False, cast_params=False) if peer else {}
+  step = mpjax.make_train_step(loss_fn, max_grad_norm=1.0, skip_nonfinite=skip_nonfinite, **kw)
+  state = jax.eval_shape(
+    lambda p: mpjax.TrainState.create(
+      apply_fn=model.apply, params=p, tx=optax.adamw(1e-3), policy=policy
+    ),
+    params,
+  )
+  return jax.jit(step, donate_argnums=0), state, batch
+
+
+@pytest.fixture(scope="module")
+def reports():
+  variants = {
+    "fp32": ("fp32", {}),
+    "mixed_bf16": ("mixed_bf16", {}),
+    "mixed_bf16 checked": ("mixed_bf16", {"skip_nonfinite": True}),
+    "mixed_fp16": ("mixed_fp16", {}),  # dynamic loss scale: checked
+    "mixed_fp16 unchecked": ("mixed_fp16", {"skip_nonfinite": False}),
+    "peer": ("fp32", {"peer": True}),
+  }
+  out = {}
+  for name, (policy, kw) in variants.items():
+    if name == "mixed_fp16 unchecked":
+      step, state, batch = _lm_step(policy, skip_nonfinite=False)
+      state = state.replace(loss_scale=mpjax.StaticLossScale(1.0))
+    else:
+      step, state, batch = _lm_step(policy, **kw)
+    out[name] = mpjax.kernel_report(step, state, batch, target="h100")
+  return out
+
+
+@pytest.mark.parametrize("target", sorted(mpjax.TARGETS))
+def test_every_target_compiles_a_bf16_gemm_to_cublaslt(target):
+  x = jax.ShapeDtypeStruct((256, 512), jnp.bfloat16)
+  w = jax.ShapeDtypeStruct((512, 1024), jnp.bfloat16)
+  for backend, kind in (("cublaslt", "cublas_lt"), ("triton", "triton_gemm")):
+    hlo = mpjax.compile_for(jnp.dot, x, w, target=target, gemm_backend=backend).as_text()
+    assert [g.kind for g in parse_compiled_gemms(hlo)] == [kind]
+  assert mpjax.get_target(target).peak_tflops(jnp.bfloat16) > mpjax.get_target(target).peak_tflops(
+    jnp.float32
+  )
+
+
+def test_mixed_bf16_step_moves_fewer_bytes_in_about_as_many_kernels_as_fp32(reports):
+  fp32, bf16, peer = reports["fp32"], reports["mixed_bf16"], reports["peer"]
+  assert bf16.count <= 1.05 * fp32.count, (bf16.count, fp32.count)
+  assert bf16.bytes_moved <= 0.7 * fp32.bytes_moved, bf16.bytes_moved / fp32.bytes_moved
+  assert bf16.estimated_seconds < 0.75 * fp32.estimated_seconds
+  assert bf16.count < peer.count  # the peer converts every weight twice
+  assert bf16.temp_bytes < fp32.temp_bytes
+  # Every GEMM kernel is a cuBLASLt call with half operands: on Tensor Cores.
+  gemms = [k for k in bf16.kernels if k.kind == "gemm"]
+  assert len(gemms) == len([k for k in fp32.kernels if k.kind == "gemm"]) > 0
+  assert {k.peak_dtype for k in gemms} == {"bfloat16"}
+  assert bf16.flops == fp32.flops
+
+
+@pytest.mark.parametrize(
+  "checked, unchecked",
+  [
+    ("mixed_bf16 checked", "mixed_bf16"),
+    ("mixed_fp16", "mixed_fp16 unchecked"),
+  ],
+)
+def test_a_checked_step_costs_no_conditional_and_no_copy_of_the_state(reports, checked, unchecked):
+  checked, unchecked = reports[checked], reports[unchecked]
+  assert checked.count <= 1.1 * unchecked.count, (checked.count, unchecked.count)
+  assert checked.by_kind["conditional"] == 0
+  assert checked.copy_bytes <= unchecked.copy_bytes  # no copy of params or optimizer state
+  assert checked.bytes_moved <= 1.05 * unchecked.bytes_moved
+
+
+def test_unknown_target_and_backend_are_refused_with_the_choices():
+  with pytest.raises(ValueError, match="h100"):
+    mpjax.get_target("h1000")
+  with pytest.raises(ValueError, match="cublaslt"):
+    mpjax.compile_for(jnp.sin, jnp.ones(3), target="h100", gemm_backend="cudnn")
+
+
+def test_a_missing_or_mismatched_compiler_plugin_names_the_fix(monkeypatch):
+  import jaxlib
+
+  def missing(name):
+    raise importlib.metadata.PackageNotFoundError(name)
+
+  monkeypatch.setattr(importlib.metadata, "version", missing)
+  with pytest.raises(
+    RuntimeError, match=f"pip install --no-deps jax-cuda12-pjrt=={jaxlib.__version__}"
+  ):
+    mpjax.gpu._check_compiler()
+  monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.0.1")
+  with pytest.raises(RuntimeError, match="0.0.1 does not match jaxlib"):
+    mpjax.gpu._check_compiler()
+
+
+def test_importing_mpjax_with_the_compiler_plugin_logs_no_traceback():
+  env = {
+    k: v
+    for k, v in os.environ.items()
+    if k not in ("JAX_PLATFORMS", "JAX_SKIP_CUDA_CONSTRAINTS_CHECK")
+  }
+  code = "import mpjax, jax; print(jax.default_backend())"
+  quiet = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+  assert quiet.returncode == 0 and quiet.stdout.strip() == "cpu"
+  assert "Traceback" not in quiet.stderr and "plugin configuration error" not in quiet.stderr
+  # The premise: without mpjax's import first, JAX itself logs the traceback here.
+  noisy = subprocess.run(
+    [sys.executable, "-c", "import jax; jax.devices()"], env=env, capture_output=True, text=True
+  )
+  assert "Jax plugin configuration error" in noisy.stderr
