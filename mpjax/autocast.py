@@ -54,6 +54,7 @@ from jax.extend import core as jcore
 
 from mpjax._backend import lowering_platform
 from mpjax._dtypes import is_castable_dtype as _castable
+from mpjax.gemm import SAVED as _SAVED
 from mpjax.gemm import mixed_conv, mixed_dot, mixed_ragged_dot
 from mpjax.policy import Policy, get_policy
 
@@ -127,7 +128,6 @@ _VIEWS = frozenset("reshape transpose broadcast_in_dim squeeze expand_dims slice
 # autocast: costly to compute again (unlowered GEMMs, linear algebra, sorts,
 # cumulative ops) or small (reductions). It computes the rest again: the
 # elementwise and layout ops between GEMMs, in whatever precision they ran.
-_SAVED = "mpjax.autocast"
 _KEPT = frozenset(
   "dot_general ragged_dot_general conv_general_dilated reduce_sum reduce_prod reduce_max "
   "reduce_min argmax argmin reduce_and reduce_or cumsum cumprod cumlogsumexp cummax cummin sort "

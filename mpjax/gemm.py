@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax._src.interpreters import ad as _ad
+from jax.ad_checkpoint import checkpoint_name
 from jax._src.lax import convolution as _conv
 from jax._src.lax import lax as _lax
 from jax.sharding import PartitionSpec as P
@@ -32,6 +33,9 @@ from jax.typing import DTypeLike
 from mpjax._backend import lowering_platform
 
 __all__ = ["mixed_dot_general"]
+
+# The checkpoint name of what autocast's remat keeps for the backward pass.
+SAVED = "mpjax.autocast"
 
 DimensionNumbers = tuple[tuple[Sequence[int], Sequence[int]], tuple[Sequence[int], Sequence[int]]]
 
@@ -201,15 +205,26 @@ def mixed_dot(lhs, rhs, dimension_numbers, compute_dtype, out_sharding=None):
 
 
 def _mixed_dot_fwd(lhs, rhs, dimension_numbers, compute_dtype, out_sharding):
-  # Keep the operands as they came: a weight stays its f32 self (alive anyway),
-  # an activation is already in the compute dtype.
-  return mixed_dot(lhs, rhs, dimension_numbers, compute_dtype, out_sharding), (lhs, rhs)
+  if lowering_platform(lhs, rhs) == "cpu":
+    # Keep the operands as they came: a weight stays its f32 self (alive
+    # anyway), an activation is already in the compute dtype.
+    out = mixed_dot(lhs, rhs, dimension_numbers, compute_dtype, out_sharding)
+    return out, (lhs, rhs)
+  # GPU/TPU: cast each operand once and keep the compute-dtype copies for the
+  # backward GEMMs (a weight's cast is half its f32 size; casting it again in
+  # the backward pass would be a kernel reading the f32 master a second time).
+  # Zero-size arrays carry the operands' own dtypes, which the gradients take.
+  lhs_c, rhs_c = (checkpoint_name(x.astype(compute_dtype), SAVED) for x in (lhs, rhs))
+  out = lax.dot_general(
+    lhs_c, rhs_c, dimension_numbers, preferred_element_type=compute_dtype, out_sharding=out_sharding
+  )
+  dtypes = (jnp.zeros((0,), lhs.dtype), jnp.zeros((0,), rhs.dtype))
+  return out, (lhs_c, rhs_c, *dtypes)
 
 
 def _mixed_dot_bwd(dimension_numbers, compute_dtype, out_sharding, residuals, g):
-  lhs, rhs = residuals
-
-  def cpu(g, lhs, rhs):
+  if len(residuals) == 2:  # the CPU lowering
+    lhs, rhs = residuals
     # The cotangent may arrive transposed (through a transpose after the GEMM).
     d_lhs, d_rhs = _grad_dots(
       _row_major(g.astype(compute_dtype)),
@@ -218,29 +233,26 @@ def _mixed_dot_bwd(dimension_numbers, compute_dtype, out_sharding, residuals, g)
       dimension_numbers,
     )
     return d_lhs.astype(lhs.dtype), d_rhs.astype(rhs.dtype)
-
-  def gpu(g, lhs, rhs):
-    # JAX's own transpose rules, each GEMM writing the operand's dtype: an f32
-    # master gets its gradient straight from the bf16 x bf16 -> f32 GEMM.
-    g = g.astype(compute_dtype)
-    kw = dict(dimension_numbers=dimension_numbers, precision=None, out_sharding=None)
-    d_lhs = _lax._dot_general_transpose_lhs(
-      g,
-      _ad.UndefinedPrimal(jax.typeof(lhs)),
-      rhs.astype(compute_dtype),
-      preferred_element_type=lhs.dtype,
-      **kw,
-    )
-    d_rhs = _lax._dot_general_transpose_rhs(
-      g,
-      lhs.astype(compute_dtype),
-      _ad.UndefinedPrimal(jax.typeof(rhs)),
-      preferred_element_type=rhs.dtype,
-      **kw,
-    )
-    return d_lhs, d_rhs
-
-  return (cpu if lowering_platform(g, lhs, rhs) == "cpu" else gpu)(g, lhs, rhs)
+  # JAX's own transpose rules, each GEMM writing the operand's dtype: an f32
+  # master gets its gradient straight from the bf16 x bf16 -> f32 GEMM.
+  lhs_c, rhs_c, lhs_dtype, rhs_dtype = residuals
+  g = g.astype(compute_dtype)
+  kw = dict(dimension_numbers=dimension_numbers, precision=None, out_sharding=None)
+  d_lhs = _lax._dot_general_transpose_lhs(
+    g,
+    _ad.UndefinedPrimal(jax.typeof(lhs_c).update(dtype=lhs_dtype.dtype)),
+    rhs_c,
+    preferred_element_type=lhs_dtype.dtype,
+    **kw,
+  )
+  d_rhs = _lax._dot_general_transpose_rhs(
+    g,
+    lhs_c,
+    _ad.UndefinedPrimal(jax.typeof(rhs_c).update(dtype=rhs_dtype.dtype)),
+    preferred_element_type=rhs_dtype.dtype,
+    **kw,
+  )
+  return d_lhs, d_rhs
 
 
 mixed_dot.defvjp(_mixed_dot_fwd, _mixed_dot_bwd)

@@ -67,7 +67,7 @@ class GpuTarget:
   Example:
     >>> import mpjax
     >>> h100 = mpjax.get_target("h100")
-    >>> h100.compute_capability, h100.fp8_tflops / h100.bf16_tflops
+    >>> h100.compute_capability, round(h100.fp8_tflops / h100.bf16_tflops, 2)
     ('9.0', 2.0)
   """
 
@@ -447,7 +447,7 @@ def kernel_report(
   Example:
     >>> import jax.numpy as jnp, mpjax
     >>> x = jnp.ones((1024, 1024), jnp.float32)
-    >>> mpjax.kernel_report(lambda a: (a * 2).sum(), x, target="a100").count
+    >>> mpjax.kernel_report(lambda a: jnp.maximum(a, 0.0) * 2, x, target="a100").count
     1
   """
   target = get_target(target)
