@@ -24,9 +24,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax._src.interpreters import ad as _ad
-from jax.ad_checkpoint import checkpoint_name
 from jax._src.lax import convolution as _conv
 from jax._src.lax import lax as _lax
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 from jax.typing import DTypeLike
 
