@@ -31,6 +31,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax._src.interpreters import partial_eval as pe
 from jax.extend import core as jcore
 
 from mpjax.autocast import _dot_numbers, gemm_flops
@@ -705,25 +706,46 @@ def _gemm_signature(gemm: CompiledGemm) -> tuple:
   return _signature(gemm.op, gemm.lhs_shape, gemm.rhs_shape, gemm.out_shape, gemm.dims)
 
 
+def _split_k_signature(signature: tuple) -> tuple:
+  """A dot's signature up to split-K: XLA's Triton GEMMs may split K into a batch dim."""
+  if signature[0] != "dot":
+    return signature
+  _, batch, mn, k = signature
+  return ("dot", mn, batch * k)
+
+
 def _match(
   rows: Sequence[GemmRow], compiled: Sequence[CompiledGemm]
 ) -> tuple[list[CompiledGemm | None], list[CompiledGemm]]:
-  """Pairs each row with a compiled GEMM of the same sizes (dtypes, then op_name break ties)."""
+  """Pairs each row with a compiled GEMM of the same sizes (dtypes, then op_name break ties).
+
+  Exact sizes first; then, for rows left over, sizes up to split-K (a Triton
+  GEMM fusion that splits the contracting dim over a new batch dim).
+  """
   unused = list(compiled)
-  matched: list[CompiledGemm | None] = []
-  for row in rows:
-    signature = _row_signature(row)
-    candidates = [g for g in unused if _gemm_signature(g) == signature]
+  matched: list[CompiledGemm | None] = [None] * len(rows)
+  for loose in (False, True):
+    for i, row in enumerate(rows):
+      if matched[i] is not None:
+        continue
+      signature = _row_signature(row)
+      if loose:
+        signature = _split_k_signature(signature)
+      candidates = [
+        g
+        for g in unused
+        if (_split_k_signature(_gemm_signature(g)) if loose else _gemm_signature(g)) == signature
+      ]
 
-    def score(g: CompiledGemm, row: GemmRow = row) -> int:
-      same_dtypes = {g.lhs_dtype, g.rhs_dtype} == {row.lhs_dtype, row.rhs_dtype}
-      same_path = bool(row.path) and row.path in g.op_name
-      return 2 * same_dtypes + same_path
+      def score(g: CompiledGemm, row: GemmRow = row) -> int:
+        same_dtypes = {g.lhs_dtype, g.rhs_dtype} == {row.lhs_dtype, row.rhs_dtype}
+        same_path = bool(row.path) and row.path in g.op_name
+        return 2 * same_dtypes + same_path
 
-    best = max(candidates, key=score, default=None)
-    if best is not None:
-      unused.remove(best)
-    matched.append(best)
+      best = max(candidates, key=score, default=None)
+      if best is not None:
+        unused.remove(best)
+      matched[i] = best
   return matched, unused
 
 
@@ -930,6 +952,10 @@ def audit_jaxpr(jaxpr: Any, *, platform: str = "cpu", hlo_text: str | None = Non
       f"audit_jaxpr: jaxpr must be a jaxpr from jax.make_jaxpr(fn)(*args), got "
       f"{type(jaxpr).__name__}; to audit a function, call mpjax.audit.audit(fn, *args)."
     )
+  # Audit what the program computes: a GEMM whose result nothing uses (the
+  # gradient of a convolution with respect to the input image, which a VJP
+  # computes and no one asks for) is removed here, as XLA removes it.
+  inner, _ = pe.dce_jaxpr(inner, [True] * len(inner.outvars))
   rows: list[GemmRow] = []
   _walk(inner, "", 1, "", rows)
   compiled_only: tuple[CompiledGemm, ...] = ()
@@ -979,7 +1005,12 @@ def _abstract(tree: Any) -> Any:
 
 
 def audit(
-  fn: Callable[..., Any], *args: Any, print_report: bool = False, **kwargs: Any
+  fn: Callable[..., Any],
+  *args: Any,
+  print_report: bool = False,
+  target: Any = None,
+  gemm_backend: str = "cublaslt",
+  **kwargs: Any,
 ) -> AuditReport:
   """Audits every GEMM and convolution of ``fn(*args, **kwargs)`` as ``jax.jit`` compiles it.
 
@@ -995,6 +1026,12 @@ def audit(
     fn: any JAX function, e.g. a train step ``step(state, batch)``.
     *args: its arguments (arrays or ``jax.ShapeDtypeStruct`` s).
     print_report: print the report as a markdown table.
+    target: a GPU to audit for on any machine (``"h100"``, a
+      :data:`mpjax.TARGETS` name): the function is traced and compiled for it
+      (:func:`mpjax.compile_for`, which needs the ``gpu-aot`` extra) and each
+      GEMM is matched to the call it became there.
+    gemm_backend: with ``target``: ``"cublaslt"`` or ``"triton"`` (see
+      :func:`mpjax.compile_for`).
     **kwargs: its keyword arguments.
 
   Returns:
@@ -1021,6 +1058,16 @@ def audit(
   def flat(a, k):
     return fn(*a, **k)
 
+  if target is not None:
+    from mpjax.gpu import compile_for, on_target  # noqa: PLC0415 (mpjax.gpu reads HLO with this module)
+
+    args, kwargs = on_target(target, (args, kwargs))
+    jaxpr = jax.make_jaxpr(flat)(args, kwargs)
+    hlo_text = compile_for(flat, args, kwargs, target=target, gemm_backend=gemm_backend).as_text()
+    report = audit_jaxpr(jaxpr, platform="gpu", hlo_text=hlo_text)
+    if print_report:
+      print(report)
+    return report
   jaxpr = jax.make_jaxpr(flat)(args, kwargs)
   platform = jax.default_backend()
   hlo_text = None

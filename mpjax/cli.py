@@ -4,6 +4,7 @@
     mpjax train digits_cnn --config.steps=500     # any config, any value overridden
     mpjax compare digits_mlp --policies fp32,mixed_bf16,mixed_fp16
     mpjax doctor                                  # every GEMM of the default train step
+    mpjax doctor --target h100 --compare fp32,mixed_bf16,mixed_fp16   # the H100 program
     MPJAX_POLICY=mixed_fp16 mpjax train           # switch precision without editing a file
 
 Bad input (an unknown config or key, a value of the wrong type, an invalid
@@ -15,6 +16,7 @@ SIGINT or SIGTERM finishes the current step, writes a checkpoint and exits with
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import pathlib
 import signal
@@ -59,6 +61,25 @@ def _parser() -> argparse.ArgumentParser:
         "--policies",
         default="fp32,mixed_bf16,mixed_fp16",
         help="comma-separated policies (default: %(default)s)",
+      )
+    if name == "doctor":
+      sub.add_argument(
+        "--target",
+        default=None,
+        help="compile for this GPU without one (h100, h200, b200, a100, l4; needs the gpu-aot "
+        "extra): each GEMM's call, then a kernel report",
+      )
+      sub.add_argument(
+        "--compare",
+        default=None,
+        help="with --target: comma-separated policies for the kernel report (default: the "
+        "config's policy and fp32)",
+      )
+      sub.add_argument(
+        "--gemm_backend",
+        default="cublaslt",
+        choices=("cublaslt", "triton"),
+        help="with --target: GEMMs as cuBLASLt calls or Triton fusions (default: %(default)s)",
       )
     if name != "doctor":
       sub.add_argument("--run_dir", default=None, help="where checkpoints and metrics go")
@@ -108,11 +129,23 @@ def _print_summary(summary: dict) -> None:
   )
 
 
-def doctor_report(config: Any) -> AuditReport:
+def _step_and_args(config: Any) -> tuple[Any, Any, Any]:
+  exp = Experiment(config)
+  state = exp.init_state()
+  batch = exp.put_batch(exp.dataset.batch(0, config.batch_size, config.seed))
+  return exp.make_step(), state, batch
+
+
+def doctor_report(
+  config: Any, target: str | None = None, gemm_backend: str = "cublaslt"
+) -> AuditReport:
   """The GEMM audit of ``config``'s train step on its first batch: what ``mpjax doctor`` prints.
 
   Args:
     config: a loaded config (:func:`mpjax.experiment.load_config`).
+    target: a GPU target to compile for (``"h100"``); ``None`` audits for
+      JAX's backend here.
+    gemm_backend: with ``target``, ``"cublaslt"`` or ``"triton"``.
 
   Returns:
     The :class:`mpjax.audit.AuditReport` of the jitted train step (forward and
@@ -123,20 +156,68 @@ def doctor_report(config: Any) -> AuditReport:
   """
   from mpjax.audit import audit
 
-  exp = Experiment(config)
-  state = exp.init_state()
-  batch = exp.put_batch(exp.dataset.batch(0, config.batch_size, config.seed))
-  return audit(exp.make_step(), state, batch)
+  step, state, batch = _step_and_args(config)
+  return audit(step, state, batch, target=target, gemm_backend=gemm_backend)
 
 
-def _doctor(config: Any) -> None:
-  report = doctor_report(config)
+def doctor_kernels(
+  config: Any, policies: Sequence[str], target: str, gemm_backend: str = "cublaslt"
+) -> dict[str, Any]:
+  """The :class:`mpjax.KernelReport` of ``config``'s train step under each policy, for ``target``.
+
+  Args:
+    config: a loaded config.
+    policies: the policies to compare, the baseline first.
+    target: a GPU target name.
+    gemm_backend: ``"cublaslt"`` or ``"triton"``.
+
+  Returns:
+    policy -> kernel report, in the order given.
+
+  Raises:
+    ConfigError: for a policy that cannot be read.
+  """
+  from mpjax.gpu import kernel_report
+
+  reports = {}
+  for policy in policies:
+    variant = copy.deepcopy(config)
+    variant.policy = policy
+    reports[policy] = kernel_report(
+      *_step_and_args(variant), target=target, gemm_backend=gemm_backend
+    )
+  return reports
+
+
+def _doctor(config: Any, parsed: argparse.Namespace) -> None:
+  from mpjax.gpu import get_target, kernel_table
+
+  target = parsed.target
+  if target is not None:
+    try:
+      target = get_target(target).name
+    except ValueError as e:
+      raise ConfigError(f"--target: {e}") from None
+  elif parsed.compare:
+    raise ConfigError("--compare needs --target (e.g. --target h100): it compares GPU programs.")
+  try:
+    report = doctor_report(config, target, parsed.gemm_backend)
+  except RuntimeError as e:
+    raise ConfigError(str(e)) from None
   policy = os.environ.get(POLICY_ENV_VAR, "").strip() or config.policy
+  where = f"{target} (compiled here, no GPU needed)" if target else report.platform
   print(
     f"Train step of {config.name} [{policy}], batch {config.batch_size}, on "
-    f"{report.platform}: every GEMM and convolution, forward and backward.\n"
+    f"{where}: every GEMM and convolution, forward and backward.\n"
   )
   print(report)
+  if target is None:
+    return
+  policies = [p.strip() for p in (parsed.compare or f"fp32,{policy}").split(",") if p.strip()]
+  print(f"\n**Kernels per train step on {target}**\n")
+  print(
+    kernel_table(doctor_kernels(config, list(dict.fromkeys(policies)), target, parsed.gemm_backend))
+  )
 
 
 def _initialize_distributed(parsed: argparse.Namespace) -> None:
@@ -175,7 +256,7 @@ def main(argv: Sequence[str] | None = None) -> int:
       _initialize_distributed(parsed)
     config = load_config(parsed.config, overrides)
     if parsed.command == "doctor":
-      _doctor(config)
+      _doctor(config, parsed)
       return 0
     progress = not parsed.no_progress and sys.stderr.isatty()
     if parsed.command == "compare":

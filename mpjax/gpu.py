@@ -42,7 +42,16 @@ from mpjax.audit import (
   parse_compiled_gemms,
 )
 
-__all__ = ["GpuTarget", "KernelReport", "TARGETS", "compile_for", "get_target", "kernel_report"]
+__all__ = [
+  "GpuTarget",
+  "KernelReport",
+  "TARGETS",
+  "compile_for",
+  "get_target",
+  "kernel_report",
+  "kernel_table",
+  "on_target",
+]
 
 PLUGIN = "jax-cuda12-pjrt"
 GEMM_BACKENDS = ("cublaslt", "triton")
@@ -172,6 +181,14 @@ def _mesh(name: str) -> jax.sharding.Mesh:
     platform="cuda", target_config=_read_spec(name), topology="1x1x1"
   )
   return topologies.make_mesh(topology, (1,), ("x",))
+
+
+def on_target(target: str | GpuTarget, tree: Any) -> Any:
+  """Every array leaf of ``tree`` as a ``ShapeDtypeStruct`` placed on a GPU target's device.
+
+  Traced with these, mpjax lowers for that GPU (see :func:`compile_for`).
+  """
+  return _on(_mesh(get_target(target).name), tree)
 
 
 def _on(mesh: jax.sharding.Mesh, tree: Any) -> Any:
@@ -480,3 +497,44 @@ def report_from_hlo(
   temp = int(getattr(memory, "temp_size_in_bytes", 0) or 0)
   arguments = int(getattr(memory, "argument_size_in_bytes", 0) or 0)
   return KernelReport(get_target(target), tuple(kernels), temp, arguments, gemm_backend)
+
+
+def kernel_table(reports: Mapping[str, KernelReport]) -> str:
+  """Kernel reports side by side as a markdown table, with ratios to the first one.
+
+  Args:
+    reports: label -> :class:`KernelReport`, the baseline (e.g. fp32) first.
+
+  Returns:
+    The table and a line saying that the step time is a roofline estimate.
+  """
+  if not reports:
+    raise ValueError("kernel_table: no reports.")
+  base = next(iter(reports.values()))
+
+  def ratio(value: float, ref: float) -> str:
+    return f" ({value / ref:.2f}x)" if ref else ""
+
+  lines = [
+    "| variant | kernels | GEMMs | fusions | copies | conditionals | standalone converts "
+    "| bytes moved MB | copied MB | temp MB | est. step ms |",
+    "|---|---|---|---|---|---|---|---|---|---|---|",
+  ]
+  for label, r in reports.items():
+    kinds = r.by_kind
+    lines.append(
+      f"| {label} | {r.count}{ratio(r.count, base.count)} | {kinds['gemm'] + kinds['conv']} "
+      f"| {kinds['fusion']} | {kinds['copy']} | {kinds['conditional']} "
+      f"| {r.standalone_converts} "
+      f"| {r.bytes_moved / 1e6:.1f}{ratio(r.bytes_moved, base.bytes_moved)} "
+      f"| {r.copy_bytes / 1e6:.1f} | {r.temp_bytes / 1e6:.1f} "
+      f"| {r.estimated_seconds * 1e3:.3f}{ratio(r.estimated_seconds, base.estimated_seconds)} |"
+    )
+  lines.append(
+    f"\nCompiled for {base.target.device} without a GPU ({base.gemm_backend} GEMMs). The step "
+    "time is a roofline estimate, not a measurement: each kernel takes the longer of its GEMM "
+    f"FLOPs at the dense peak ({base.target.bf16_tflops:g} TFLOP/s bf16, "
+    f"{base.target.tf32_tflops:g} TF32) and its bytes at {base.target.memory_tbps:g} TB/s; "
+    "launch overheads and achieved rates are left out."
+  )
+  return "\n".join(lines)

@@ -41,6 +41,12 @@ MLP's 4096x4096 layer at batch 256, and 2048^3) in f32 against bf16 x bf16 ->
 f32. Prints markdown tables; ``--json`` also writes every figure and the tables.
 
     python scripts/bench.py [--models mlp,transformer] [--rounds 15] [--compiles 3] [--json F]
+    python scripts/bench.py --target h100 [--models mlp,transformer,gpt2]   # no GPU needed
+
+With ``--target``, nothing is timed: every variant's step (but Keras's) is
+compiled for that GPU on this machine and its kernel report printed
+(:func:`mpjax.kernel_report`: kernels by kind, standalone converts, bytes
+moved, copies, temp memory and a roofline estimate), as ratios to plain fp32.
 """
 
 from __future__ import annotations
@@ -141,6 +147,8 @@ def _workload(name: str, small: bool) -> tuple[Callable[[Any], nn.Module], Any, 
     else dict(vocab=512, d_model=512, heads=8, mlp=2048, layers=4)
   )
   seq, batch_size = (16, 2) if small else (256, 4)
+  if name == "gpt2" and not small:  # GPT-2 small's shape; its vocabulary padded to 64
+    dims, seq, batch_size = dict(vocab=50304, d_model=768, heads=12, mlp=3072, layers=12), 1024, 8
   tokens = jax.random.randint(key, (batch_size, seq + 1), 0, dims["vocab"])
   batch = {"x": tokens[:, :-1], "y": tokens[:, 1:]}
   return (
@@ -365,6 +373,15 @@ def bench(
   return results
 
 
+def gpu_compile(name: str, target: str, small: bool = False) -> dict[str, Any]:
+  """Each variant's train step compiled for a GPU target here (no GPU): its kernel report."""
+  variants, batch = _variants(name, small, keras=False)
+  return {
+    label: mpjax.kernel_report(step, jax.eval_shape(init), batch, target=target)
+    for label, (step, init, _, _) in variants.items()
+  }
+
+
 def ceiling(rounds: int, small: bool = False) -> dict[str, dict[str, float]]:
   """A bare GEMM in f32 against bf16 x bf16 -> f32: what mixed precision can gain at most."""
   shapes = {  # label: (M, K, N)
@@ -446,8 +463,29 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, dict[str, float]]
     default="auto",
     help="run the Keras 3 peer (auto: yes, except with --small)",
   )
+  parser.add_argument(
+    "--target",
+    help="instead of timing here: compile every variant for this GPU (h100, a100, ...; needs "
+    "the gpu-aot extra) and print its kernels, bytes, temp memory and a roofline estimate; "
+    "--models may then include gpt2 (GPT-2 small: 12 layers, d768, seq 1024, batch 8)",
+  )
   parser.add_argument("--json", help="write every figure and the markdown tables to this file")
   args = parser.parse_args(argv)
+  if args.target:
+    from mpjax.gpu import kernel_table
+
+    record, tables = {}, []
+    for name in args.models.split(","):
+      reports = gpu_compile(name, args.target, args.small)
+      record[name] = {label: r.to_dict() for label, r in reports.items()}
+      tables.append(f"**{name} on {args.target}**\n\n{kernel_table(reports)}")
+      print(tables[-1], end="\n\n", flush=True)
+    if args.json:
+      with open(args.json, "w") as f:
+        json.dump(
+          {"target": args.target, "results": record, "markdown": "\n\n".join(tables)}, f, indent=2
+        )
+    return record
   keras = args.keras == "yes" or (args.keras == "auto" and not args.small)
   if args.keras == "auto" and args.small:
     print("note: keras mixed_bfloat16 skipped with --small (--keras yes runs it)\n")

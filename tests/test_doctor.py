@@ -43,7 +43,9 @@ def test_configs_are_found():
 def test_every_shipped_config_has_no_misaligned_gemm(name):
   config = ex.load_config(name)
   report = cli.doctor_report(config)
-  assert len(report.rows) >= 6  # forward and backward GEMMs of at least a two-layer model
+  # Forward and backward GEMMs of at least a two-layer model: 2 forward, 2 weight gradients and
+  # the input gradient of the second layer (the first one's is not computed: nothing needs it).
+  assert len(report.rows) >= 5
   misaligned = [(r.path, r.shape, r.misaligned) for r in report.rows if r.misaligned]
   assert not misaligned, misaligned
   if get_policy(config.policy).is_mixed:

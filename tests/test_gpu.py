@@ -1,7 +1,9 @@
 """GPU programs compiled on the CPU for H100 (and other targets), read and held to targets."""
 
 import importlib.metadata
+import json
 import os
+import pathlib
 import subprocess
 import sys
 
@@ -13,6 +15,8 @@ import pytest
 
 import mpjax
 import mpjax.gpu
+from mpjax import cli
+from mpjax import experiment as ex
 from mpjax.audit import parse_compiled_gemms
 
 try:
@@ -173,3 +177,103 @@ def test_importing_mpjax_with_the_compiler_plugin_logs_no_traceback():
     [sys.executable, "-c", "import jax; jax.devices()"], env=env, capture_output=True, text=True
   )
   assert "Jax plugin configuration error" in noisy.stderr
+
+
+CONFIGS = sorted(p.stem for p in (pathlib.Path(__file__).parent.parent / "configs").glob("*.py"))
+
+
+@pytest.mark.parametrize("gemm_backend", ["cublaslt", "triton"])
+@pytest.mark.parametrize("name", CONFIGS)
+def test_every_shipped_config_audits_on_h100_with_every_gemm_matched(
+  name, gemm_backend, monkeypatch
+):
+  monkeypatch.delenv(mpjax.POLICY_ENV_VAR, raising=False)
+  config = ex.load_config(name)
+  report = cli.doctor_report(config, "h100", gemm_backend)
+  assert report.platform == "gpu" and len(report.rows) >= 5
+  not_found = [(r.path, r.shape) for r in report.rows if r.call in (None, "(not found)")]
+  assert not not_found, (report.compiled_note, not_found)
+  assert not report.compiled_only, report.compiled_only  # nothing compiled that is not audited
+  kinds = {r.call_kind for r in report.rows}
+  if gemm_backend == "triton":
+    assert kinds <= {"triton_gemm", "cudnn"}
+  else:
+    assert kinds <= {"cublas_lt", "cudnn"}
+  if mpjax.get_policy(config.policy).is_mixed:
+    assert report.fast_path_share == 1.0, [(r.path, [f.code for f in r.flags]) for r in report.rows]
+
+
+def test_audit_lists_no_gemm_that_the_program_does_not_compute():
+  """A convolution's gradient w.r.t. the input image is computed by its VJP and thrown away."""
+  conv = nn.Conv(8, (3, 3))
+  x = jnp.ones((4, 8, 8, 1))
+  params = conv.init(jax.random.key(0), x)
+
+  def loss(p, x):
+    return jnp.sum(conv.apply(p, x) ** 2)
+
+  report = mpjax.audit(jax.grad(mpjax.autocast(loss, "mixed_bf16")), params, x)
+  assert len(report.rows) == 2  # forward, and the kernel's gradient; not the image's
+  jaxpr = jax.make_jaxpr(jax.grad(mpjax.autocast(loss, "mixed_bf16")))(params, x)
+  assert str(jaxpr).count("conv_general_dilated[") == 3  # the premise: the VJP computes three
+
+
+def test_doctor_for_h100_prints_the_audit_and_the_kernel_report():
+  result = subprocess.run(
+    [
+      sys.executable,
+      "-m",
+      "mpjax.cli",
+      "doctor",
+      "digits_mlp",
+      "--target",
+      "h100",
+      "--compare",
+      "fp32,mixed_bf16",
+    ],
+    cwd=pathlib.Path(__file__).parent.parent,
+    env={k: v for k, v in os.environ.items() if k != mpjax.POLICY_ENV_VAR},
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
+  assert result.returncode == 0, result.stderr
+  out = result.stdout
+  assert "on h100 (compiled here, no GPU needed)" in out and "__cublas$lt$matmul" in out
+  assert "Fast path: 100.0% of" in out
+  assert "**Kernels per train step on h100**" in out
+  assert "| fp32 | " in out and "| mixed_bf16 | " in out and "roofline estimate" in out
+  bad = subprocess.run(
+    [sys.executable, "-m", "mpjax.cli", "doctor", "digits_mlp", "--target", "h1000"],
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+  assert bad.returncode == 2 and "use one of ['a100', 'b200', 'h100', 'h200', 'l4']" in bad.stderr
+
+
+def test_bench_target_prints_kernel_tables_with_ratios(tmp_path):
+  out = tmp_path / "bench.json"
+  result = subprocess.run(
+    [
+      sys.executable,
+      "scripts/bench.py",
+      "--target",
+      "h100",
+      "--small",
+      "--models",
+      "mlp",
+      "--json",
+      str(out),
+    ],
+    cwd=pathlib.Path(__file__).parent.parent,
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
+  assert result.returncode == 0, result.stderr
+  assert "**mlp on h100**" in result.stdout and "| plain fp32 | " in result.stdout
+  record = json.loads(out.read_text())
+  results = record["results"]["mlp"]
+  assert {"plain fp32", "mpjax mixed_bf16 autocast", "flax dtype=bf16", "jmp cast"} <= set(results)
+  assert results["plain fp32"]["kernels"] > 0 and results["plain fp32"]["gemm_flops"] > 0
