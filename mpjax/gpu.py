@@ -286,6 +286,7 @@ class Kernel:
   flops: float
   peak_dtype: str | None
   standalone_convert: bool = False
+  call: str | None = None  # for a GEMM or convolution: "cublas_lt", "triton_gemm", "cudnn"...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -331,6 +332,11 @@ class KernelReport:
     return sum(k.standalone_convert for k in self.kernels)
 
   @property
+  def calls(self) -> Counter:
+    """GEMM and convolution kernels per call kind (``cublas_lt``, ``triton_gemm``, ``cudnn``...)."""
+    return Counter(k.call for k in self.kernels if k.call)
+
+  @property
   def bytes_moved(self) -> int:
     """Bytes read and written by all kernels (each operand once, each result once)."""
     return sum(k.bytes for k in self.kernels)
@@ -363,6 +369,7 @@ class KernelReport:
       "gemm_backend": self.gemm_backend,
       "kernels": self.count,
       "by_kind": dict(self.by_kind),
+      "calls": dict(self.calls),
       "standalone_converts": self.standalone_converts,
       "bytes_moved": self.bytes_moved,
       "copy_bytes": self.copy_bytes,
@@ -425,7 +432,7 @@ def _kernels(
         moved = operand_bytes + (
           _bytes(f"{result[0]}[{','.join(map(str, result[1]))}]") if result else 0
         )
-      out.append(Kernel(instr.name, kind, moved, flops, dtype))
+      out.append(Kernel(instr.name, kind, moved, flops, dtype, call=gemms[instr.name][0].kind))
     elif op == "fusion":
       fused = comps.get(next(iter(_called(instr)), ""), [])
       inner = {i.opcode for i in fused} - _FREE

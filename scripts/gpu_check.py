@@ -43,6 +43,7 @@ import optax
 from jax import lax
 
 from mpjax.audit import AuditReport, audit_jaxpr
+from mpjax.gpu import kernel_report, report_from_hlo
 from mpjax.train_state import TrainState
 from mpjax.train_step import make_train_step
 from mpjax.xla import configure_xla, pad_to_multiple
@@ -157,6 +158,57 @@ def _calls(report: AuditReport) -> str:
   return ", ".join(f"{kind} {n}" for kind, n in sorted(kinds.items()))
 
 
+_TARGET_OF_DEVICE = (
+  ("H200", "h200"),
+  ("H100", "h100"),
+  ("A100", "a100"),
+  ("B200", "b200"),
+  ("L4", "l4"),
+)
+
+
+def _prediction(
+  programs: dict[str, tuple], step_ms: dict[str, float], device_kind: str
+) -> tuple[str, dict[str, Any]]:
+  """What mpjax predicts without a GPU (mpjax.kernel_report) against what this GPU compiled.
+
+  For the nearest shipped target, each variant's step is compiled deviceless
+  (cuBLASLt GEMMs, as XLA falls back to without autotuning) and its kernels,
+  GEMM calls, temp memory and roofline estimate set beside those of the
+  program this device compiled (read the same way) and the measured step time.
+  On a CPU only the prediction is shown.
+  """
+  target = next((t for key, t in _TARGET_OF_DEVICE if key in device_kind), "h100")
+  on_gpu = jax.default_backend() == "gpu"
+  lines = [
+    f"**prediction ({target}, compiled without a GPU) against this device's program**",
+    "",
+    "| variant | kernels predicted | kernels here | GEMM calls predicted | GEMM calls here "
+    "| temp MB predicted | temp MB here | est. ms | measured ms |",
+    "|---|---|---|---|---|---|---|---|---|",
+  ]
+  figures = {"target": target}
+  for label, (step, state, batch, compiled) in programs.items():
+    if "highest" in label:  # the precision context is not part of the step: left out
+      continue
+    predicted = kernel_report(step, state, batch, target=target)
+    real = (
+      report_from_hlo(compiled.as_text(), target, compiled.memory_analysis()) if on_gpu else None
+    )
+
+    def calls(r):
+      return ", ".join(f"{k} {n}" for k, n in sorted(r.calls.items())) if r else "-"
+
+    lines.append(
+      f"| {label} | {predicted.count} | {real.count if real else '-'} | {calls(predicted)} "
+      f"| {calls(real)} | {predicted.temp_bytes / 1e6:.1f} "
+      f"| {f'{real.temp_bytes / 1e6:.1f}' if real else '-'} "
+      f"| {predicted.estimated_seconds * 1e3:.3f} | {step_ms[label]:.2f} |"
+    )
+    figures[label] = {"predicted": predicted.to_dict(), "here": real.to_dict() if real else None}
+  return "\n".join(lines), figures
+
+
 def run(sizes: dict[str, int], rounds: int) -> dict[str, Any]:
   """Audits and times the variants; returns every figure and the markdown."""
   device = jax.devices()[0]
@@ -167,13 +219,14 @@ def run(sizes: dict[str, int], rounds: int) -> dict[str, Any]:
     "mixed_bf16 (autocast)": ("mixed_bf16", None),
     "mixed_fp16 (dynamic loss scale)": ("mixed_fp16", None),
   }
-  compiled_runs, reports, compile_s = {}, {}, {}
+  compiled_runs, reports, compile_s, programs = {}, {}, {}, {}
   for label, (policy, precision) in variants.items():
     step, init, batch = _step_and_state(sizes, policy)
     state = init()
     scope = jax.default_matmul_precision(precision) if precision else contextlib.nullcontext()
     with scope:  # the precision is read when the step is traced
       compiled, reports[label], compile_s[label] = _compile(step, state, batch)
+      programs[label] = (step, state, batch, compiled)
 
     def call(state, compiled=compiled, batch=batch):
       return compiled(state, batch)[0]
@@ -229,6 +282,9 @@ def run(sizes: dict[str, int], rounds: int) -> dict[str, Any]:
   )
   table = "\n".join(lines)
   print(table)
+  prediction, figures["prediction"] = _prediction(programs, step_ms, device.device_kind)
+  print(f"\n{prediction}")
+  table += f"\n\n{prediction}"
   figures.update(
     peak_ms=peak_ms,
     peak_tflops=peak_tflops,

@@ -95,7 +95,6 @@ def test_bench_script_keras_peer_ceiling_and_json(tmp_path, capsys, monkeypatch)
   import json
 
   monkeypatch.setenv("KERAS_BACKEND", "jax")  # what the script sets before importing keras
-  pytest.importorskip("keras")
   path = tmp_path / "bench.json"
   args = ["--small", "--rounds", "1", "--compiles", "1", "--models", "mlp", "--keras", "yes"]
   args += ["--json", str(path)]
