@@ -59,7 +59,7 @@ def test_readme_flax_nnx_loop_and_the_audit_of_its_step(capsys):
   chex.assert_trees_all_equal(nnx.state(net, nnx.Param), ns["state"].params)
   _run_section("Prove the fast path: audit, XLA flags, alignment, benchmarks", ns)
   assert {row.dtypes for row in ns["report"].flagged} == {"f32 x f32 -> f32"}
-  assert "Fast path: 80.0%" in capsys.readouterr().out
+  assert "Fast path: 72.7%" in capsys.readouterr().out
 
 
 def _script(name):
