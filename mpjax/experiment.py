@@ -73,7 +73,10 @@ class ConfigError(ValueError):
 
 
 def _repo_configs() -> pathlib.Path:
-  return pathlib.Path(__file__).resolve().parent.parent / "configs"
+  """The shipped configs: ``configs/`` of the repository, or ``mpjax/configs`` when installed."""
+  here = pathlib.Path(__file__).resolve().parent
+  repo = here.parent / "configs"
+  return repo if (repo / "default.py").is_file() else here / "configs"
 
 
 def find_config(name: str | None = None) -> pathlib.Path:
