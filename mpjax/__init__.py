@@ -28,7 +28,10 @@ from mpjax.loss_scale import select_tree as select_tree
 from mpjax.policy import POLICY_ENV_VAR as POLICY_ENV_VAR
 from mpjax.policy import PRESETS as PRESETS
 from mpjax.policy import Policy as Policy
+from mpjax.policy import cast_to_full as cast_to_full
+from mpjax.policy import cast_to_half as cast_to_half
 from mpjax.policy import get_policy as get_policy
+from mpjax.policy import half_dtype as half_dtype
 from mpjax.train_state import TrainState as TrainState
 from mpjax.train_step import make_train_step as make_train_step
 from mpjax.xla import configure_xla as configure_xla
@@ -57,6 +60,9 @@ __all__ = [
   "TrainState",
   "all_finite",
   "get_policy",
+  "half_dtype",
+  "cast_to_half",
+  "cast_to_full",
   "make_train_step",
   "mixed_dot_general",
   "GpuTarget",

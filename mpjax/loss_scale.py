@@ -21,7 +21,7 @@ import numpy as np
 from flax import struct
 from jax import lax
 
-from mpjax._dtypes import is_floating
+from mpjax._dtypes import is_floating, to_f32
 
 __all__ = [
   "LossScale",
@@ -50,18 +50,11 @@ def _as_array(value: Any, dtype: Any) -> Any:
   return value
 
 
-def _to_f32(x: Any) -> Any:
-  """Half-precision floating leaves to f32; f32 and f64 stay; non-floating stay."""
-  if is_floating(x) and jnp.finfo(x.dtype).bits < 32:
-    return x.astype(jnp.float32)
-  return x
-
-
 def _scale_tree(tree: T, factor: jax.Array) -> T:
   def scale(x):
     if not is_floating(x):
       return x
-    x = _to_f32(x)
+    x = to_f32(x)
     return x * factor.astype(x.dtype)
 
   return jax.tree.map(scale, tree)
@@ -74,8 +67,9 @@ class NoOpLossScale(struct.PyTreeNode):
     >>> import jax.numpy as jnp
     >>> import mpjax
     >>> ls = mpjax.NoOpLossScale()
-    >>> float(ls.loss_scale), ls.unscale(jnp.ones(2, jnp.bfloat16)).dtype
-    (1.0, dtype('float32'))
+    >>> grads = jnp.ones(2, jnp.bfloat16)
+    >>> float(ls.loss_scale), ls.unscale(grads) is grads
+    (1.0, True)
   """
 
   @property
@@ -84,12 +78,12 @@ class NoOpLossScale(struct.PyTreeNode):
     return jnp.ones((), jnp.float32)
 
   def scale(self, tree: T) -> T:
-    """Returns ``tree`` with its half-precision floating leaves in f32."""
-    return jax.tree.map(_to_f32, tree)
+    """Returns ``tree`` itself, as jmp's ``NoOpLossScale`` does."""
+    return tree
 
   def unscale(self, tree: T) -> T:
-    """Returns ``tree`` with its half-precision floating leaves in f32."""
-    return jax.tree.map(_to_f32, tree)
+    """Returns ``tree`` itself, as jmp's ``NoOpLossScale`` does."""
+    return tree
 
   def adjust(self, grads_finite: jax.typing.ArrayLike) -> NoOpLossScale:
     """Returns this state unchanged."""
@@ -166,16 +160,21 @@ class DynamicLossScale(struct.PyTreeNode):
     32768.0
   """
 
+  # jmp's positional order first: DynamicLossScale(loss_scale, counter, period, factor,
+  # min_loss_scale); the rest keyword-only.
   loss_scale: jax.Array = 2.0**15
-  counter: jax.Array = struct.field(default=0, kw_only=True)
+  counter: jax.Array = 0
+  period: int = struct.field(pytree_node=False, default=2000)
+  factor: float = struct.field(pytree_node=False, default=2)
+  min_loss_scale: float = struct.field(pytree_node=False, default=1.0)
   overflow_counter: jax.Array = struct.field(default=0, kw_only=True)
-  period: int = struct.field(pytree_node=False, default=2000, kw_only=True)
-  factor: float = struct.field(pytree_node=False, default=2, kw_only=True)
-  min_loss_scale: float = struct.field(pytree_node=False, default=1.0, kw_only=True)
   max_loss_scale: float = struct.field(pytree_node=False, default=2.0**24, kw_only=True)
   hysteresis: int = struct.field(pytree_node=False, default=1, kw_only=True)
 
   def __post_init__(self):
+    period = self.period
+    if isinstance(period, (float, np.floating)) and float(period).is_integer():
+      object.__setattr__(self, "period", int(period))  # jmp accepts period=2000.0
     self._check_hyperparameters()
     object.__setattr__(self, "loss_scale", _as_array(self.loss_scale, jnp.float32))
     object.__setattr__(self, "counter", _as_array(self.counter, jnp.int32))

@@ -21,7 +21,15 @@ from jax.typing import DTypeLike
 
 from mpjax._dtypes import cast_floating
 
-__all__ = ["Policy", "get_policy", "POLICY_ENV_VAR", "PRESETS"]
+__all__ = [
+  "Policy",
+  "get_policy",
+  "POLICY_ENV_VAR",
+  "PRESETS",
+  "cast_to_full",
+  "cast_to_half",
+  "half_dtype",
+]
 
 T = TypeVar("T")
 
@@ -179,14 +187,44 @@ def _auto_policy() -> tuple[Policy, str]:
   return PRESETS["fp32"], f"{device.platform} without native bf16 dot instructions"
 
 
-def _half_dtype() -> np.dtype:
-  # jmp's meaning of "half": bf16 on TPU, fp16 elsewhere.
+def half_dtype() -> np.dtype:
+  """jmp's half-precision dtype: bf16 on a TPU, fp16 elsewhere (``jmp.half_dtype``).
+
+  Example:
+    >>> import mpjax
+    >>> mpjax.half_dtype()  # on a CPU
+    dtype('float16')
+  """
   return _BF16 if jax.devices()[0].platform == "tpu" else _F16
+
+
+def cast_to_half(tree: T) -> T:
+  """The f32/f16/bf16 leaves of ``tree`` in :func:`half_dtype` (``jmp.cast_to_half``).
+
+  Integers, booleans, PRNG keys and (with x64 on) float64 stay as they are.
+
+  Example:
+    >>> import jax.numpy as jnp, mpjax
+    >>> mpjax.cast_to_half({"w": jnp.ones(2), "n": jnp.arange(2)})["w"].dtype
+    dtype('float16')
+  """
+  return cast_floating(tree, half_dtype())
+
+
+def cast_to_full(tree: T) -> T:
+  """The f32/f16/bf16 leaves of ``tree`` in f32 (``jmp.cast_to_full``).
+
+  Example:
+    >>> import jax.numpy as jnp, mpjax
+    >>> mpjax.cast_to_full(jnp.ones(2, jnp.bfloat16)).dtype
+    dtype('float32')
+  """
+  return cast_floating(tree, _F32)
 
 
 def _parse_dtype(name: str, spec: str) -> np.dtype:
   if name == "half":
-    return _half_dtype()
+    return half_dtype()
   if name in _DTYPE_NAMES:
     return _DTYPE_NAMES[name]
   raise _spec_error(spec, f"unknown dtype {name!r}")

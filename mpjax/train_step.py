@@ -11,7 +11,7 @@ import optax
 from jax import lax
 
 from mpjax._backend import lowering_platform
-from mpjax._dtypes import is_floating
+from mpjax._dtypes import is_floating, to_f32
 from mpjax.autocast import autocast as autocast_fn
 from mpjax.loss_scale import DynamicLossScale, NoOpLossScale, all_finite, select_tree
 from mpjax.train_state import TrainState
@@ -247,7 +247,8 @@ def make_train_step(
 
     params = state.params if axis_name is None else _as_varying(state.params, axis_name)
     grads, (loss, aux, model_state) = jax.grad(scaled_loss, has_aux=True)(params)
-    grads = loss_scale.unscale(grads)
+    # f32 gradients whatever the params' dtype (pure_bf16), for the norm and the update.
+    grads = jax.tree.map(to_f32, loss_scale.unscale(grads))
     if axis_name is not None:
       grads, loss = lax.pmean((grads, loss), axis_name)
       model_state = jax.tree.map(

@@ -31,9 +31,7 @@ def test_scale_is_f32_whatever_it_was_given():
   assert float(ls.loss_scale) == 512.0
 
 
-@pytest.mark.parametrize(
-  "ls", [mpjax.NoOpLossScale(), mpjax.StaticLossScale(2.0**10), mpjax.DynamicLossScale(2.0**10)]
-)
+@pytest.mark.parametrize("ls", [mpjax.StaticLossScale(2.0**10), mpjax.DynamicLossScale(2.0**10)])
 def test_scale_unscale_round_trip_in_f32(ls):
   tree = {
     "g": jnp.full((3,), 0.5, jnp.float16),
@@ -152,3 +150,25 @@ def test_select_tree():
     mpjax.select_tree(jnp.array(True), on_true, {"w": jnp.zeros(2)})
   with pytest.raises(ValueError, match="scalar bool"):
     mpjax.select_tree(jnp.array([True, False]), on_true, on_false)
+
+
+# --- jmp drop-in: jmp's own test cases, in our words --------------------------------------------
+
+
+def test_dynamic_loss_scale_takes_jmp_positional_arguments_and_a_whole_float_period():
+  ls = mpjax.DynamicLossScale(jnp.float32(2.0**10), jnp.int32(3), 100.0, 4.0, 2.0)
+  assert (ls.period, ls.factor, ls.min_loss_scale) == (100, 4.0, 2.0)
+  assert isinstance(ls.period, int) and int(ls.counter) == 3
+  chex.assert_type(ls.loss_scale, jnp.float32)
+  # The floor survives jit (jmp loses it): shrinking from 4.0 stops at 2.0.
+  small = mpjax.DynamicLossScale(4.0, 0, 10, 4.0, 2.0)
+  shrunk = jax.jit(lambda s: s.adjust(False))(small)
+  assert float(shrunk.loss_scale) == 2.0 and shrunk.min_loss_scale == 2.0
+  with pytest.raises(ValueError, match="period=100.5 must be an integer"):
+    mpjax.DynamicLossScale(2.0, 0, 100.5)
+
+
+def test_no_op_loss_scale_returns_the_tree_itself():
+  tree = {"g": jnp.ones(3, jnp.bfloat16), "n": jnp.arange(2)}
+  ls = mpjax.NoOpLossScale()
+  assert ls.scale(tree) is tree and ls.unscale(tree) is tree

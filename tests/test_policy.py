@@ -87,8 +87,8 @@ def test_casts_only_half_and_single_float_leaves():
   assert compute["mask"].dtype == jnp.bool_
   assert jax.dtypes.issubdtype(compute["key"].dtype, jax.dtypes.prng_key)
   assert compute["raw_key"].dtype == jnp.uint32
-  # float64 stays float64 outside jit (under jit without x64 JAX itself makes it f32).
-  assert policy.cast_to_compute(tree)["f64"].dtype == np.float64
+  # With x64 off a numpy float64 leaf is f32 to JAX, and cast as f32 is, in or out of jit.
+  assert policy.cast_to_compute(tree)["f64"].dtype == jnp.bfloat16
 
 
 @pytest.mark.parametrize(
@@ -146,3 +146,28 @@ def test_env_var_with_typo_names_the_variable(monkeypatch):
   monkeypatch.setenv("MPJAX_POLICY", "mixed_bf61")
   with pytest.raises(ValueError, match="Environment variable MPJAX_POLICY.*Nearest preset"):
     mpjax.get_policy("fp32")
+
+
+# --- jmp drop-in ---------------------------------------------------------------------------------
+
+
+def test_jmp_half_helpers():
+  assert mpjax.half_dtype() == jnp.float16  # jmp's half: bf16 on TPU, fp16 elsewhere (CPU here)
+  tree = {"w": jnp.ones(2), "b": jnp.ones(2, jnp.bfloat16), "i": jnp.arange(2)}
+  half = mpjax.cast_to_half(tree)
+  assert (half["w"].dtype, half["b"].dtype, half["i"].dtype) == (jnp.float16,) * 2 + (jnp.int32,)
+  full = mpjax.cast_to_full(half)
+  assert (full["w"].dtype, full["b"].dtype, full["i"].dtype) == (jnp.float32,) * 2 + (jnp.int32,)
+
+
+def test_a_numpy_float64_batch_is_cast_like_f32_unless_x64_is_on():
+  batch = {"x": np.random.default_rng(0).standard_normal((4, 3)), "y": np.arange(4)}
+  assert batch["x"].dtype == np.float64  # the premise: numpy's default
+  policy = mpjax.get_policy("mixed_bf16")
+  cast = policy.cast_to_compute(batch)
+  assert cast["x"].dtype == jnp.bfloat16 and cast["y"].dtype == batch["y"].dtype
+  jax.config.update("jax_enable_x64", True)
+  try:
+    assert policy.cast_to_compute(batch)["x"].dtype == np.float64  # x64 on: float64 is asked for
+  finally:
+    jax.config.update("jax_enable_x64", False)
