@@ -94,15 +94,17 @@ def _abstract(tree):
   return jax.tree.map(ocp.utils.to_shape_dtype_struct, tree)
 
 
-def _orbax_round_trip(kind, tree, path):
+def _orbax_round_trip(kind, tree, path, into=None):
+  """Saves ``tree`` and restores it into the structure of ``into`` (default: ``tree``)."""
+  into = tree if into is None else into
   if kind == "standard":
     with ocp.StandardCheckpointer() as ckptr:
       ckptr.save(path, tree)
       ckptr.wait_until_finished()
-      return ckptr.restore(path, _abstract(tree))
+      return ckptr.restore(path, _abstract(into))
   with ocp.PyTreeCheckpointer() as ckptr:
     ckptr.save(path, tree)
-    target = _abstract(tree)
+    target = _abstract(into)
     return ckptr.restore(
       path,
       args=ocp.args.PyTreeRestore(
@@ -192,7 +194,17 @@ def _train_state_static_fields(state):
 
 @pytest.mark.parametrize("kind", ["standard", "pytree"])
 def test_orbax_round_trip_train_state(trained_state, kind, tmp_path):
-  restored = _orbax_round_trip(kind, trained_state, tmp_path / "ckpt")
+  # Restored into a fresh state (as a resumed run does), whose every counter differs.
+  fresh = mpjax.TrainState.create(
+    apply_fn=trained_state.apply_fn,
+    params=jax.tree.map(jnp.zeros_like, trained_state.params),
+    tx=trained_state.tx,
+    policy="mixed_fp16",
+    loss_scale=mpjax.DynamicLossScale(2.0**10, period=5, min_loss_scale=2.0),
+  )
+  assert int(fresh.step) != int(trained_state.step)  # the premise: a no-op restore would show
+  assert float(fresh.loss_scale.loss_scale) != float(trained_state.loss_scale.loss_scale)
+  restored = _orbax_round_trip(kind, trained_state, tmp_path / "ckpt", into=fresh)
   assert type(restored) is mpjax.TrainState
   assert _train_state_static_fields(restored) == _train_state_static_fields(trained_state)
   assert restored.policy == mpjax.get_policy("mixed_fp16")
