@@ -258,7 +258,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if parsed.command == "doctor":
       _doctor(config, parsed)
       return 0
+    # A bar on a terminal; with stderr going to a file, one line per log step.
     progress = not parsed.no_progress and sys.stderr.isatty()
+    log_lines = not parsed.no_progress and not progress
     if parsed.command == "compare":
       policies = [p.strip() for p in parsed.policies.split(",") if p.strip()]
       results = compare(config, policies, run_dir=parsed.run_dir, progress=progress)
@@ -268,7 +270,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(table.read_text())
         print(f"results written to {table}")
     else:
-      summaries = [train(config, run_dir=parsed.run_dir, progress=progress)]
+      summaries = [train(config, run_dir=parsed.run_dir, progress=progress, log_lines=log_lines)]
       if jax.process_index() == 0:
         _print_summary(summaries[0])
   except ConfigError as e:

@@ -562,6 +562,7 @@ def train(
   *,
   run_dir: str | os.PathLike | None = None,
   progress: bool = False,
+  log_lines: bool = False,
 ) -> dict[str, Any]:
   """Trains a config, resuming from ``run_dir``'s latest checkpoint if there is one.
 
@@ -575,6 +576,12 @@ def train(
     run_dir: where checkpoints, ``metrics.jsonl``, ``config.json`` and
       ``summary.json`` go; default ``config.run_dir`` or ``runs/<config name>``.
     progress: show a progress bar (loss, loss scale, skipped steps, step time).
+    log_lines: instead of a bar (e.g. when stderr is a file), print one line
+      of the same figures to stderr at each log step.
+
+  A rerun in a run directory with a checkpoint says on stderr that it resumes,
+  from which step toward how many; a run already complete says so and returns
+  its saved summary without training.
 
   Returns:
     The summary: final ``loss``, ``test_loss``, ``test_accuracy``,
@@ -603,6 +610,22 @@ def train(
     with ocp.CheckpointManager(path / "checkpoints", options=options) as manager:
       start = manager.latest_step() or 0
       _check_processes_agree(path, start, exp.dataset)
+      leader = jax.process_index() == 0
+      saved_summary = path / "summary.json"
+      if start >= config.steps and saved_summary.is_file():
+        if leader:
+          print(
+            f"mpjax: {path} is already complete ({start} of {config.steps} steps); nothing to "
+            "train. Raise --config.steps to train further, or pass a new --run_dir.",
+            file=sys.stderr,
+          )
+        return {**json.loads(saved_summary.read_text()), "interrupted": None}
+      if start and leader:
+        print(
+          f"mpjax: resuming {path} from step {start} of {config.steps} (checkpoint of step "
+          f"{start}).",
+          file=sys.stderr,
+        )
       if start:
         target = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
         try:
@@ -646,12 +669,19 @@ def train(
             "step_time_s": timed_seconds / timed_steps if timed_steps else float("nan"),
           }
           metrics_log.write(it, last)
-          bar.set_postfix(
+          figures = dict(
             loss=f"{last['loss']:.4f}",
             scale=f"{last['loss_scale']:.0f}",
             skipped=last["skipped_steps"],
             ms=f"{1e3 * last['step_time_s']:.1f}",
           )
+          bar.set_postfix(figures)
+          if log_lines and leader:
+            print(
+              f"step {it}/{config.steps}: " + ", ".join(f"{k} {v}" for k, v in figures.items()),
+              file=sys.stderr,
+              flush=True,
+            )
         if config.eval_every and it % config.eval_every == 0 and it < config.steps:
           metrics_log.write(it, exp.evaluate(state))
           tick, tick_it = time.perf_counter(), it

@@ -307,3 +307,25 @@ def test_sigterm_to_one_of_two_processes_stops_both_at_one_checkpoint(tmp_path):
   assert summary["steps"] == stopped_at + 10
   logged = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
   assert logged[-3:] == [stopped_at, stopped_at + 10, stopped_at + 10]  # train log, then eval
+
+
+def test_a_rerun_says_it_resumes_and_a_complete_run_says_so_without_training(tmp_path, capsys):
+  run = ["train", "digits_mlp", "--run_dir", str(tmp_path), "--config.log_every=5"]
+  assert cli.main([*run, "--config.steps=10"]) == 0
+  first = capsys.readouterr()
+  assert "resuming" not in first.err
+  assert "step 10/10: loss " in first.err  # stderr is not a terminal: a line per log step
+  written = (tmp_path / "metrics.jsonl").read_text()
+
+  assert cli.main([*run, "--config.steps=10"]) == 0
+  again = capsys.readouterr()
+  assert again.err.splitlines()[0].startswith(f"mpjax: {tmp_path} is already complete (10 of 10")
+  assert "step " not in again.err and (tmp_path / "metrics.jsonl").read_text() == written
+  assert "digits_mlp [mixed_bf16] on 1 device(s): 10 steps" in again.out
+
+  assert cli.main([*run, "--config.steps=20"]) == 0
+  more = capsys.readouterr()
+  assert more.err.splitlines()[0] == (
+    f"mpjax: resuming {tmp_path} from step 10 of 20 (checkpoint of step 10)."
+  )
+  assert "step 15/20" in more.err and "step 20/20" in more.err and "step 5/20" not in more.err
