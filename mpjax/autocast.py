@@ -284,7 +284,10 @@ def gemm_flops(eqn: Any) -> float:
     rhs = eqn.invars[1].aval.shape
     spec = eqn.params["dimension_numbers"].rhs_spec  # (out feature, in feature, *spatial)
     per_output = math.prod(rhs[d] for d in spec[1:])
-    return 2.0 * out * per_output / eqn.params["batch_group_count"]
+    # An input dilation (the input gradient of a strided convolution) inserts zeros that no
+    # multiply touches: of each window's taps only 1 in prod(lhs_dilation) is real.
+    dilation = math.prod(eqn.params.get("lhs_dilation") or (1,))
+    return 2.0 * out * per_output / eqn.params["batch_group_count"] / dilation
   return 0.0
 
 

@@ -366,3 +366,18 @@ def test_audit_takes_a_typed_prng_key_leaf():
   params, x = jnp.ones((16, 32), jnp.bfloat16), jnp.ones((8, 16))
   report = mpjax.audit(step, params, jax.random.key(0), x)
   assert len(report.rows) == 1 and report.fast_path_share == 1.0
+
+
+def test_a_strided_convolution_and_both_its_gradients_count_the_same_flops():
+  conv = nn.Conv(16, (3, 3), strides=(2, 2), padding="SAME", use_bias=False)
+  x = jnp.ones((4, 16, 16, 8))
+  params = conv.init(jax.random.key(0), x)
+
+  def loss(p, x):
+    return jnp.sum(conv.apply(p, x) ** 2)
+
+  report = mpjax.audit(jax.grad(mpjax.autocast(loss, "mixed_bf16"), argnums=(0, 1)), params, x)
+  convs = [r for r in report.rows if r.op == "conv_general_dilated"]
+  assert len(convs) == 3  # forward, input gradient (lhs-dilated by the stride), kernel gradient
+  forward = 2.0 * 4 * 8 * 8 * 16 * (3 * 3 * 8)  # output elements x (kernel taps x in-channels)
+  assert [r.flops for r in convs] == [forward] * 3
