@@ -658,8 +658,9 @@ def train(
           tick, tick_it = time.perf_counter(), it
         if it % config.log_every == 0 or it == config.steps or stopping:
           metrics = jax.device_get(metrics)
-          timed_steps += it - tick_it
-          timed_seconds += time.perf_counter() - tick
+          interval_steps, interval_seconds = it - tick_it, time.perf_counter() - tick
+          timed_steps += interval_steps
+          timed_seconds += interval_seconds
           tick, tick_it = time.perf_counter(), it
           last = {
             "loss": float(metrics["loss"]) / exp.dataset.loss_multiplier,
@@ -667,6 +668,9 @@ def train(
             "skipped_steps": int(state.skipped_steps),
             "grad_norm": float(metrics["grad_norm"]),
             "step_time_s": timed_seconds / timed_steps if timed_steps else float("nan"),
+            "interval_step_time_s": (
+              interval_seconds / interval_steps if interval_steps else float("nan")
+            ),
           }
           metrics_log.write(it, last)
           figures = dict(
@@ -730,7 +734,36 @@ def _read_metrics(run_dir: pathlib.Path) -> list[dict[str, Any]]:
   return [row for row in map(json.loads, lines) if "loss" in row]
 
 
-def _table(config: ml_collections.ConfigDict, results: dict[str, dict[str, Any]]) -> str:
+def _variant(name: str, config: ml_collections.ConfigDict) -> tuple[str, str]:
+  """``"mixed_fp16:none"`` -> ``("mixed_fp16", "none")``; a bare policy keeps the config's scale."""
+  policy, _, loss_scale = name.partition(":")
+  loss_scale = loss_scale or config.loss_scale
+  try:
+    get_policy(policy)
+  except ValueError as e:
+    raise ConfigError(f"--policies: {e}") from None
+  if loss_scale not in LOSS_SCALES:
+    raise ConfigError(
+      f"--policies: {name!r}: loss scale {loss_scale!r} is not one of {sorted(LOSS_SCALES)} "
+      "(write POLICY or POLICY:LOSS_SCALE, e.g. mixed_fp16:none)."
+    )
+  return policy, loss_scale
+
+
+def _step_time_spread(run_dir: pathlib.Path) -> float:
+  """(max - min) / mean of the step time over a run's log intervals (NaN with fewer than 2)."""
+  times = [r["interval_step_time_s"] for r in _read_metrics(run_dir) if "interval_step_time_s" in r]
+  times = [t for t in times if math.isfinite(t)]
+  if len(times) < 2:
+    return float("nan")
+  return (max(times) - min(times)) / (sum(times) / len(times))
+
+
+def _table(
+  config: ml_collections.ConfigDict,
+  results: dict[str, dict[str, Any]],
+  spreads: dict[str, float],
+) -> str:
   base = results.get("fp32")
   unit = next(iter(results.values()))["examples_unit"] + "/s"
   rows = [
@@ -750,8 +783,10 @@ def _table(config: ml_collections.ConfigDict, results: dict[str, dict[str, Any]]
       "-" if base is None else f"{100 * (r['test_accuracy'] - base['test_accuracy']):+.2f}"
     )
     loss_diff = "-" if base is None else f"{100 * (r['test_loss'] / base['test_loss'] - 1):+.2f}%"
+    spread = spreads.get(name, float("nan"))
+    noise = f" ±{100 * spread:.0f}%" if math.isfinite(spread) else ""
     rows.append(
-      f"| {name} | {1e3 / r['steps_per_second']:.2f} | "
+      f"| {name} | {1e3 / r['steps_per_second']:.2f}{noise} | "
       f"{rel('steps_per_second')} | {r['examples_per_second']:.0f} | "
       f"{r['step_memory_mib']:.2f} | {rel('step_memory_mib')} | {r['loss']:.4f} | "
       f"{r['test_loss']:.4f} | {loss_diff} | {r['test_accuracy']:.4f} | {accuracy_diff} | "
@@ -805,7 +840,9 @@ def compare(
 
   Args:
     config: a config from :func:`load_config`.
-    policies: policy names, e.g. ``["fp32", "mixed_bf16", "mixed_fp16"]``.
+    policies: policy names, e.g. ``["fp32", "mixed_bf16", "mixed_fp16"]``; a
+      ``POLICY:LOSS_SCALE`` name also sets ``config.loss_scale`` for that run
+      (``"mixed_fp16:none"``: fp16 without loss scaling).
     run_dir: the results folder; default ``runs/<config name>-compare``.
     progress: show progress bars.
 
@@ -829,29 +866,29 @@ def compare(
     )
   if not policies:
     raise ConfigError("compare needs at least one policy, e.g. --policies fp32,mixed_bf16.")
-  for name in policies:
-    try:
-      get_policy(name)
-    except ValueError as e:
-      raise ConfigError(f"--policies: {e}") from None
+  variants = {name: _variant(name, config) for name in policies}
   results_dir = _run_dir(config, run_dir or pathlib.Path("runs") / f"{config.name}-compare")
   results, runs = {}, {}
-  for name in policies:
+  for name, (policy, loss_scale) in variants.items():
     run_config = ml_collections.ConfigDict(config.to_dict())
-    run_config.policy = name
-    runs[name] = results_dir / name
+    run_config.policy, run_config.loss_scale = policy, loss_scale
+    runs[name] = results_dir / name.replace(":", "-")
     results[name] = train(run_config, run_dir=runs[name], progress=progress)
     if results[name]["interrupted"]:
       return results  # stopped: the same command resumes, then compares
-  table = _table(config, results)
+  spreads = {name: _step_time_spread(runs[name]) for name in runs}
+  table = _table(config, results, spreads)
   plots = _plot(results_dir, runs, config.name)
   (results_dir / "results.json").write_text(json.dumps(results, indent=2))
   devices = next(iter(results.values()))["devices"]
   header = (
     f"# {config.name}: {', '.join(policies)}\n\n"
     f"{config.steps} steps of batch {config.batch_size} on {devices} {jax.default_backend()} "
-    f"device(s), one run of each policy in one process. The last train loss is that of the last "
-    f"batch; test loss and accuracy cover the whole test split.\n\n"
+    f"device(s), one run of each policy in one process (`POLICY:LOSS_SCALE` sets the loss "
+    f"scale too). The last train loss is that of the last batch; test loss and accuracy cover "
+    f"the whole test split. Timings are of one run on a shared machine: ms/step is the mean "
+    f"after the first step, and the ± is the spread (max - min, over the mean) of the step "
+    f"time between log intervals of that run; differences within it are noise.\n\n"
   )
   images = "".join(f"![{p}]({p})\n" for p in plots)
   (results_dir / "results.md").write_text(header + table + "\n" + images)

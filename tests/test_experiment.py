@@ -194,19 +194,19 @@ def test_char_lm_mixed_precision_loss_within_two_percent_of_fp32(tmp_path):
     assert abs(results[policy]["test_loss"] / base - 1) < 0.02, results
 
 
-def test_underflow_demo_needs_loss_scaling_in_fp16(tmp_path):
-  runs = {
-    name: ex.train(ex.load_config("underflow_demo", overrides), run_dir=tmp_path / name)
-    for name, overrides in {
-      "fp32": ["policy=fp32"],
-      "fp16_unscaled": ["policy=mixed_fp16", "loss_scale=none"],
-      "fp16_scaled": ["policy=mixed_fp16", "loss_scale=dynamic"],
-    }.items()
-  }
-  base = runs["fp32"]["test_accuracy"]
+def test_underflow_demo_compare_shows_fp16_needs_loss_scaling(tmp_path):
+  config = ex.load_config("underflow_demo")
+  results = ex.compare(config, ["fp32", "mixed_fp16", "mixed_fp16:none"], run_dir=tmp_path)
+  base = results["fp32"]["test_accuracy"]
   assert base > 0.9
-  assert runs["fp16_unscaled"]["test_accuracy"] < base - 0.2, runs
-  assert abs(runs["fp16_scaled"]["test_accuracy"] - base) <= 0.02, runs
+  assert results["mixed_fp16:none"]["loss_scale"] == "none"
+  assert results["mixed_fp16:none"]["test_accuracy"] < base - 0.2, results
+  assert abs(results["mixed_fp16"]["test_accuracy"] - base) <= 0.02, results
+  table = (tmp_path / "results.md").read_text()
+  assert "| mixed_fp16:none | " in table and (tmp_path / "mixed_fp16-none").is_dir()
+  assert "spread" in table and "±" in table.split("| fp32 | ")[1].split("|")[0]
+  with pytest.raises(ex.ConfigError, match="loss scale 'sometimes' is not one of"):
+    ex.compare(config, ["mixed_fp16:sometimes"], run_dir=tmp_path / "bad")
 
 
 def test_data_parallel_over_eight_host_devices(tmp_path):
