@@ -2,6 +2,7 @@
 
 # First: on import it quiets XLA's CUDA compiler plugin on machines without CUDA.
 from mpjax import _backend  # noqa: F401
+from mpjax import testing as testing
 from mpjax.audit import AuditReport as AuditReport
 from mpjax.audit import audit as audit
 from mpjax.autocast import OP_CLASSES as OP_CLASSES
@@ -74,4 +75,5 @@ __all__ = [
   "configure_xla",
   "pad_to_multiple",
   "select_tree",
+  "testing",
 ]

@@ -60,7 +60,8 @@ def _parser() -> argparse.ArgumentParser:
       sub.add_argument(
         "--policies",
         default="fp32,mixed_bf16,mixed_fp16",
-        help="comma-separated policies (default: %(default)s)",
+        help="comma-separated policies, each POLICY or POLICY:LOSS_SCALE (e.g. mixed_fp16:none) "
+        "(default: %(default)s)",
       )
     if name == "doctor":
       sub.add_argument(

@@ -42,6 +42,14 @@ def _run_section(section: str, namespace: dict) -> dict:
   return namespace
 
 
+def test_readme_numerics_test_file_passes():
+  ns = _run_section("Test your model's numerics", {})
+  tests = [f for name, f in ns.items() if name.startswith("test_")]
+  assert len(tests) == 3
+  for test in tests:
+    test()
+
+
 def test_readme_flax_linen_loop_trains_with_f32_masters_on_the_fast_path(capsys):
   ns = _run_section("Flax linen", {})
   assert float(ns["metrics"]["loss"]) < 0.3  # digits: chance is ln(10) = 2.3
