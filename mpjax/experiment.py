@@ -45,7 +45,7 @@ from mpjax import data as data_lib
 from mpjax import models
 from mpjax.autocast import autocast
 from mpjax.loss_scale import DynamicLossScale, LossScale, NoOpLossScale
-from mpjax.policy import POLICY_ENV_VAR, Policy, get_policy
+from mpjax.policy import POLICY_ENV_VAR, Policy, _cpu_has_native_bf16_dot, get_policy
 from mpjax.train_state import TrainState
 from mpjax.train_step import make_train_step
 
@@ -750,6 +750,26 @@ def _variant(name: str, config: ml_collections.ConfigDict) -> tuple[str, str]:
   return policy, loss_scale
 
 
+def _device_description() -> str:
+  """What the timings ran on: the device kind, and on a CPU whether it has bf16 dot instructions."""
+  device = jax.devices()[0]
+  if device.platform != "cpu":
+    return device.device_kind
+  model = next(
+    (line.split(":", 1)[1].strip() for line in _cpuinfo().splitlines() if "model name" in line),
+    "unknown CPU",
+  )
+  native = "with" if _cpu_has_native_bf16_dot() else "without"
+  return f"{model}, {native} native bf16 dot instructions"
+
+
+def _cpuinfo() -> str:
+  try:
+    return pathlib.Path("/proc/cpuinfo").read_text()
+  except OSError:
+    return ""
+
+
 def _step_time_spread(run_dir: pathlib.Path) -> float:
   """(max - min) / mean of the step time over a run's log intervals (NaN with fewer than 2)."""
   times = [r["interval_step_time_s"] for r in _read_metrics(run_dir) if "interval_step_time_s" in r]
@@ -884,11 +904,12 @@ def compare(
   header = (
     f"# {config.name}: {', '.join(policies)}\n\n"
     f"{config.steps} steps of batch {config.batch_size} on {devices} {jax.default_backend()} "
-    f"device(s), one run of each policy in one process (`POLICY:LOSS_SCALE` sets the loss "
-    f"scale too). The last train loss is that of the last batch; test loss and accuracy cover "
-    f"the whole test split. Timings are of one run on a shared machine: ms/step is the mean "
-    f"after the first step, and the ± is the spread (max - min, over the mean) of the step "
-    f"time between log intervals of that run; differences within it are noise.\n\n"
+    f"device(s) ({_device_description()}), one run of each policy in one process "
+    "(`POLICY:LOSS_SCALE` sets the loss scale too). The last train loss is that of the last "
+    "batch; test loss and accuracy cover the whole test split. Timings are of one run on a "
+    "shared machine: ms/step is the mean after the first step, and the ± is the spread (max - "
+    "min, over the mean) of the step time between log intervals of that run; differences "
+    "within it are noise.\n\n"
   )
   images = "".join(f"![{p}]({p})\n" for p in plots)
   (results_dir / "results.md").write_text(header + table + "\n" + images)
