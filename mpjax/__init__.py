@@ -13,6 +13,8 @@ from mpjax.data import Dataset as Dataset
 from mpjax.data import load_dataset as load_dataset
 from mpjax.flax_policy import linen_kwargs as linen_kwargs
 from mpjax.flax_policy import nnx_apply_policy as nnx_apply_policy
+from mpjax.fp8 import Fp8Meta as Fp8Meta
+from mpjax.fp8 import Fp8Recipe as Fp8Recipe
 from mpjax.gemm import mixed_dot_general as mixed_dot_general
 from mpjax.gpu import TARGETS as TARGETS
 from mpjax.gpu import GpuTarget as GpuTarget
@@ -34,6 +36,7 @@ from mpjax.policy import cast_to_half as cast_to_half
 from mpjax.policy import get_policy as get_policy
 from mpjax.policy import half_dtype as half_dtype
 from mpjax.train_state import TrainState as TrainState
+from mpjax.train_step import init_fp8_state as init_fp8_state
 from mpjax.train_step import make_train_step as make_train_step
 from mpjax.xla import configure_xla as configure_xla
 from mpjax.xla import pad_to_multiple as pad_to_multiple
@@ -52,6 +55,8 @@ __all__ = [
   "autocast",
   "autocast_report",
   "DynamicLossScale",
+  "Fp8Meta",
+  "Fp8Recipe",
   "LossScale",
   "NoOpLossScale",
   "POLICY_ENV_VAR",
@@ -65,6 +70,7 @@ __all__ = [
   "cast_to_half",
   "cast_to_full",
   "make_train_step",
+  "init_fp8_state",
   "mixed_dot_general",
   "GpuTarget",
   "KernelReport",

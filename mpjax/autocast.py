@@ -54,6 +54,7 @@ from jax.extend import core as jcore
 
 from mpjax._backend import lowering_platform
 from mpjax._dtypes import is_castable_dtype as _castable
+from mpjax.fp8 import Fp8Meta, Fp8Recipe, fp8_dot
 from mpjax.gemm import SAVED as _SAVED
 from mpjax.gemm import mixed_conv, mixed_dot, mixed_ragged_dot
 from mpjax.policy import Policy, get_policy
@@ -206,6 +207,65 @@ class _Record:
 
 
 @dataclasses.dataclass(frozen=True)
+class _Fp8Gemm:
+  """An FP8-eligible GEMM, as one evaluation met it (in program order)."""
+
+  path: str
+  recipe: Fp8Recipe
+  stateless: bool  # in a loop body: current scaling, no delayed state
+
+
+@dataclasses.dataclass
+class _Fp8Run:
+  """The FP8 GEMMs of one evaluation: which run in FP8, and the delayed-scaling state they read.
+
+  ``plan`` is ``None`` while a first evaluation finds the eligible GEMMs
+  (``found``); then ``plan[i]`` says whether the ``i``-th runs in FP8.
+  ``metas`` holds one :class:`Fp8Meta` per FP8 GEMM with delayed state, in
+  order; ``None`` runs every FP8 GEMM with current scaling.
+  """
+
+  plan: tuple[bool, ...] | None
+  metas: Sequence[Fp8Meta] | None = None
+  found: list[_Fp8Gemm] = dataclasses.field(default_factory=list)
+  used: int = 0
+
+  def next(self, gemm: _Fp8Gemm) -> tuple[bool, Fp8Meta | None]:
+    """Whether the next eligible GEMM runs in FP8, and the state it reads (None: current)."""
+    index = len(self.found)
+    self.found.append(gemm)
+    if self.plan is None:
+      return False, None
+    if index >= len(self.plan) or not self.plan[index]:
+      return False, None
+    if gemm.stateless or gemm.recipe.scaling == "current" or self.metas is None:
+      return True, None
+    if self.used >= len(self.metas):
+      raise ValueError(
+        f"FP8 state: the train state holds {len(self.metas)} FP8 GEMM states but the loss "
+        "function has more FP8 GEMMs; was the state made for another model? Start from "
+        "TrainState.create (its first step makes the state), or mpjax.init_fp8_state."
+      )
+    meta = self.metas[self.used]
+    self.used += 1
+    return True, meta
+
+
+def _fp8_plan(found: Sequence[_Fp8Gemm]) -> tuple[bool, ...]:
+  """Which of the eligible GEMMs run in FP8: all but those their recipe keeps in bf16."""
+  plan = []
+  for i, gemm in enumerate(found):
+    keep = gemm.recipe.keep_bf16
+    kept = (
+      ("first" in keep and i == 0)
+      or ("last" in keep and i == len(found) - 1)
+      or any(fnmatch.fnmatchcase(gemm.path, k) for k in keep if k not in ("first", "last"))
+    )
+    plan.append(not kept)
+  return tuple(plan)
+
+
+@dataclasses.dataclass(frozen=True)
 class _Ctx:
   policy: Policy
   rules: _Rules
@@ -217,6 +277,9 @@ class _Ctx:
   # they run as plain bf16 x bf16 -> f32 GEMMs, not through mixed_dot's custom_vjp
   # (which JAX cannot transpose), so their transposes take an f32 cotangent.
   linear: bool = False
+  fp8: _Fp8Run | None = None
+  # In a loop body: one history cannot follow a GEMM that runs many times.
+  stateless: bool = False
 
   def scaled(self, repeat: float) -> _Ctx:
     return dataclasses.replace(self, repeat=self.repeat * repeat)
@@ -305,8 +368,36 @@ def _explicit(eqn: Any) -> bool:
   )
 
 
-def _lower(ctx: _Ctx, eqn: Any, invals: list[Any], kinds: list[int], compute: np.dtype):
-  """A GEMM or convolution with compute-dtype operands and f32 accumulation."""
+def _fp8_gemm(
+  ctx: _Ctx, eqn: Any, kinds: Sequence[int], path: str, policy: Policy
+) -> tuple[Fp8Recipe | None, Fp8Meta | None]:
+  """The recipe (``None``: not in FP8) and delayed state of a GEMM autocast lowers.
+
+  FP8-eligible: a ``dot_general`` of which an operand is an input of the
+  function (a layer's weight, or the model's input), outside ``custom_jvp``
+  and ``custom_vjp`` functions.
+  """
+  if (
+    policy.fp8 is None
+    or ctx.fp8 is None
+    or ctx.linear
+    or eqn.primitive.name != "dot_general"
+    or _INPUT not in kinds[:2]
+  ):
+    return None, None
+  in_fp8, meta = ctx.fp8.next(_Fp8Gemm(path, policy.fp8, ctx.stateless))
+  return (policy.fp8 if in_fp8 else None), meta
+
+
+def _lower(
+  ctx: _Ctx,
+  eqn: Any,
+  invals: list[Any],
+  kinds: list[int],
+  compute: np.dtype,
+  fp8: tuple[Fp8Recipe | None, Fp8Meta | None] = (None, None),
+):
+  """A GEMM or convolution with compute-dtype operands and f32 accumulation (or FP8 ones)."""
   # Computed operands come cast already (see _eval_jaxpr), so that the backward
   # pass keeps the compute-dtype copy; an input (a weight) goes in as it is and
   # is cast inside, so no low-precision copy of it is kept.
@@ -317,8 +408,12 @@ def _lower(ctx: _Ctx, eqn: Any, invals: list[Any], kinds: list[int], compute: np
   if eqn.primitive.name == "dot_general":
     (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
     dims = ((tuple(lc), tuple(rc)), (tuple(lb), tuple(rb)))
-    dot = mixed_dot.fun if ctx.linear else mixed_dot
-    out = dot(ops[0], ops[1], dims, compute, eqn.params.get("out_sharding"))
+    recipe, meta = fp8
+    if recipe is not None:
+      out = fp8_dot(ops[0], ops[1], meta, dims, recipe, compute, eqn.params.get("out_sharding"))
+    else:
+      dot = mixed_dot.fun if ctx.linear else mixed_dot
+      out = dot(ops[0], ops[1], dims, compute, eqn.params.get("out_sharding"))
   elif eqn.primitive.name == "ragged_dot_general":
     ragged = mixed_ragged_dot.fun if ctx.linear else mixed_ragged_dot
     out = ragged(*ops, eqn.params["ragged_dot_dimension_numbers"], compute)
@@ -336,10 +431,16 @@ def _lower(ctx: _Ctx, eqn: Any, invals: list[Any], kinds: list[int], compute: np
 
 
 def _run_class(
-  ctx: _Ctx, eqn: Any, cls: str, invals: list[Any], kinds: list[int], compute: np.dtype
+  ctx: _Ctx,
+  eqn: Any,
+  cls: str,
+  invals: list[Any],
+  kinds: list[int],
+  compute: np.dtype,
+  fp8: tuple[Fp8Recipe | None, Fp8Meta | None] = (None, None),
 ) -> list[Any]:
   if cls == "lower" and not _explicit(eqn):
-    return _lower(ctx, eqn, invals, kinds, compute)
+    return _lower(ctx, eqn, invals, kinds, compute, fp8)
   if cls in ("lower", "keep"):
     return _bind(eqn, _as_traced(eqn, invals, kinds))
   traced = [np.dtype(v.aval.dtype) if _castable(v.aval.dtype) else None for v in eqn.invars]
@@ -436,9 +537,11 @@ def _eval_jaxpr(
           cls = "keep"
         elif cls == "fp32" and name in _FP16_RANGE and compute != np.dtype(jnp.float16):
           cls = "follow"
+        fp8 = (None, None)
         if cls == "lower" and not _explicit(eqn):
           invals = [operand(*a, compute) for a in zip(eqn.invars, invals, in_kinds, strict=True)]
-        outs = _run_class(ctx, eqn, cls, invals, in_kinds, compute)
+          fp8 = _fp8_gemm(ctx, eqn, in_kinds, path, policy)
+        outs = _run_class(ctx, eqn, cls, invals, in_kinds, compute, fp8)
         if all(k == _LIT for k in in_kinds):
           out_kind = _LIT
         elif name in _VIEWS and in_kinds[0] in (_INPUT, _GEMM):
@@ -517,6 +620,8 @@ def _enter(ctx: _Ctx, eqn: Any, invals: list[Any], kinds: list[int], path: str) 
     carry_avals = p["body_jaxpr"].out_avals
     n = len(init)
 
+    ctx = dataclasses.replace(ctx, stateless=True)
+
     def cond_fun(carry):
       out = _eval_closed(ctx, p["cond_jaxpr"], [*cconsts, *carry], [*ck, *[_ACT] * n], path)
       return out[0]
@@ -532,7 +637,7 @@ def _enter(ctx: _Ctx, eqn: Any, invals: list[Any], kinds: list[int], path: str) 
     consts, init, xs = invals[:nc], invals[nc : nc + ncarry], invals[nc + ncarry :]
     xkinds = kinds[nc + ncarry :]
     carry_avals = closed.out_avals[:ncarry]
-    inner = ctx.scaled(p["length"])
+    inner = dataclasses.replace(ctx.scaled(p["length"]), stateless=True)
 
     def scan_body(carry, x):
       args = [*consts, *carry, *x]
@@ -572,6 +677,7 @@ def _enter(ctx: _Ctx, eqn: Any, invals: list[Any], kinds: list[int], path: str) 
 
 def _custom_jvp(ctx, eqn, invals, kinds, path):
   """The primal and the user's JVP rule, both autocast; tangents follow their primals."""
+  ctx = dataclasses.replace(ctx, fp8=None)  # evaluated more than once: no FP8 GEMMs
   call = eqn.params["call_jaxpr"]
   in_avals = call.in_avals
 
@@ -605,6 +711,7 @@ def _custom_jvp(ctx, eqn, invals, kinds, path):
 
 def _custom_vjp(ctx, eqn, invals, kinds, path):
   """The primal autocast; under differentiation the user's fwd and bwd run as traced."""
+  ctx = dataclasses.replace(ctx, fp8=None)  # evaluated more than once: no FP8 GEMMs
   call = eqn.params["call_jaxpr"]
   in_avals = call.in_avals
   in_dtypes = [x.dtype for x in invals]
@@ -659,8 +766,11 @@ _CACHE_SIZE = 32
 
 def _trace(
   fn: Callable[..., Any], leaves: list[Any], treedef: Any, dynamic: list[int], cache: OrderedDict
-) -> tuple[Any, Any, list[bool]]:
+) -> tuple[Any, Any, list[bool], dict[str, Any]]:
   """``fn`` traced for these arguments: the closed jaxpr, output tree, which outputs are floats.
+
+  The last item is a dict kept with the trace, for what is learnt from it
+  once (which GEMMs run in FP8).
 
   Cached as ``jax.jit`` caches its traces: by argument structure, static leaves,
   the abstract values of array leaves and JAX's tracing configuration.
@@ -686,7 +796,7 @@ def _trace(
 
   closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*(leaves[i] for i in dynamic))
   out_leaves, out_tree = jax.tree.flatten(out_shape)
-  traced = closed, out_tree, [_castable(o.dtype) for o in out_leaves]
+  traced = closed, out_tree, [_castable(o.dtype) for o in out_leaves], {}
   # A function that closes over another transformation's tracers is traced anew
   # each call: its jaxpr holds them.
   if key is not None and not any(isinstance(c, jax.core.Tracer) for c in closed.consts):
@@ -696,23 +806,58 @@ def _trace(
   return traced
 
 
-def _run(ctx: _Ctx, fn: Callable[..., Any], args: tuple, kwargs: dict, cache: OrderedDict) -> Any:
+def _uses_fp8(ctx: _Ctx) -> bool:
+  return ctx.policy.fp8 is not None or any(p.fp8 is not None for _, p in ctx.rules.scopes)
+
+
+def _run(
+  ctx: _Ctx,
+  fn: Callable[..., Any],
+  args: tuple,
+  kwargs: dict,
+  cache: OrderedDict,
+  fp8_metas: Sequence[Fp8Meta] | None = None,
+  count_fp8: bool = False,
+) -> Any:
+  """``fn(*args, **kwargs)`` under autocast; its FP8 GEMMs read ``fp8_metas`` (delayed scaling).
+
+  With ``count_fp8``, returns instead the FP8 GEMMs with delayed state, in order.
+  """
   leaves, treedef = jax.tree.flatten((args, kwargs))
   dynamic = [i for i, x in enumerate(leaves) if _is_array(x)]
-  closed, out_tree, floating = _trace(fn, leaves, treedef, dynamic, cache)
+  closed, out_tree, floating, learnt = _trace(fn, leaves, treedef, dynamic, cache)
   # Side effects (prints, callbacks) would run again in the recomputation.
   remat = ctx.remat
   if remat is None:
     remat = lowering_platform([leaves[i] for i in dynamic]) == "cpu"
   remat = remat and not closed.effects
   ctx = dataclasses.replace(ctx, remat=remat)
+  arrays = [leaves[i] for i in dynamic]
 
-  def run(*xs):
-    return _eval_closed(ctx, closed, xs, [_INPUT] * len(xs), "")
+  def evaluate(xs, fp8):
+    return _eval_closed(dataclasses.replace(ctx, fp8=fp8), closed, xs, [_INPUT] * len(xs), "")
+
+  plan = None
+  if _uses_fp8(ctx):
+    if "fp8" not in learnt:  # which GEMMs are eligible: one evaluation, shapes only
+      found = _Fp8Run(plan=None)
+      jax.eval_shape(lambda xs: evaluate(xs, found), arrays)
+      learnt["fp8"] = (_fp8_plan(found.found), tuple(found.found))
+    plan, found = learnt["fp8"]
+    if count_fp8:
+      return [
+        g for g, in_fp8 in zip(found, plan, strict=True)
+        if in_fp8 and not g.stateless and g.recipe.scaling == "delayed"
+      ]
+  elif count_fp8:
+    return []
+
+  def run(metas, *xs):
+    return evaluate(xs, None if plan is None else _Fp8Run(plan, metas))
 
   if remat:
     run = jax.checkpoint(run, policy=_saved_for_backward)
-  outs = run(*(leaves[i] for i in dynamic))
+  outs = run(fp8_metas, *arrays)
   out_dtype = np.dtype(ctx.policy.output_dtype)
   outs = [_cast(x, out_dtype) if f else x for x, f in zip(outs, floating, strict=True)]
   return jax.tree.unflatten(out_tree, outs)
@@ -814,6 +959,41 @@ def autocast(
     return _run(ctx, fn, args, kwargs, cache)
 
   return wrapped
+
+
+def autocast_with_fp8_state(
+  fn: Callable[..., Any], policy: Policy, *, rules: Mapping[str, str] | None = None
+) -> Callable[..., Any]:
+  """:func:`autocast` whose FP8 GEMMs take delayed-scaling state: ``f(metas, *args, **kw)``.
+
+  ``metas`` is one :class:`mpjax.Fp8Meta` per GEMM :func:`fp8_state_for`
+  lists, in its order; differentiated with respect to ``metas``, the result's
+  gradient is each GEMM's next state (see :func:`mpjax.fp8.next_meta`).
+  """
+  ctx = _Ctx(*_check(fn, policy, rules, "full"), "full", None)
+  cache: OrderedDict = OrderedDict()
+
+  def wrapped(metas: Sequence[Fp8Meta], *args: Any, **kwargs: Any) -> Any:
+    return _run(ctx, fn, args, kwargs, cache, fp8_metas=metas)
+
+  return wrapped
+
+
+def fp8_state_for(
+  fn: Callable[..., Any],
+  policy: Policy,
+  *args: Any,
+  rules: Mapping[str, str] | None = None,
+  **kwargs: Any,
+) -> tuple[Fp8Meta, ...]:
+  """The initial delayed-scaling state of ``fn``'s FP8 GEMMs, one :class:`Fp8Meta` each.
+
+  Empty for a policy without FP8 or with current scaling. Traces ``fn``
+  (shapes only; nothing runs).
+  """
+  ctx = _Ctx(*_check(fn, policy, rules, "full"), "full", None)
+  gemms = _run(ctx, fn, args, kwargs, OrderedDict(), count_fp8=True)
+  return tuple(Fp8Meta.initial(g.recipe) for g in gemms)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -172,87 +172,113 @@ def _grad_dots(
   return d_lhs, d_rhs
 
 
+def forward_gemm(
+  lhs: jax.Array,
+  rhs: jax.Array,
+  dimension_numbers: DimensionNumbers,
+  compute_dtype: Any,
+  out_sharding: Any,
+  platform: str,
+) -> jax.Array:
+  """The GEMM of compute-dtype operands, accumulated in f32, result in the compute dtype.
+
+  On a CPU every GEMM is bf16 x bf16 -> f32, the fast kernel, with operands
+  laid out as it needs (row-major, the result behind a barrier so that XLA
+  cannot fold a transpose into a layout XLA:CPU cannot run). Elsewhere (GPU,
+  TPU) the GEMM writes the compute dtype itself: cuBLASLt and the TPU
+  accumulate a half x half -> half GEMM in f32, and XLA:GPU folds transposes
+  into the call, so no f32 intermediate and no separate convert kernel is
+  written.
+  """
+  if platform == "cpu":
+    return _dot_f32(lhs, rhs, dimension_numbers, out_sharding).astype(compute_dtype)
+  return lax.dot_general(
+    lhs, rhs, dimension_numbers, preferred_element_type=compute_dtype, out_sharding=out_sharding
+  )
+
+
+def backward_gemms(
+  g: jax.Array,
+  lhs: jax.Array,
+  rhs: jax.Array,
+  dimension_numbers: DimensionNumbers,
+  lhs_dtype: Any,
+  rhs_dtype: Any,
+  platform: str,
+) -> tuple[jax.Array, jax.Array]:
+  """The two GEMMs of a ``dot_general``'s gradient, from compute-dtype ``g``, ``lhs``, ``rhs``.
+
+  Each accumulates in f32 and returns its operand's dtype (``lhs_dtype``,
+  ``rhs_dtype``: f32 for an f32 master weight).
+  """
+  if platform == "cpu":
+    # The cotangent may arrive transposed (through a transpose after the GEMM).
+    d_lhs, d_rhs = _grad_dots(_row_major(g), lhs, rhs, dimension_numbers)
+    return d_lhs.astype(lhs_dtype), d_rhs.astype(rhs_dtype)
+  # JAX's own transpose rules, each GEMM writing the operand's dtype: an f32
+  # master gets its gradient straight from the bf16 x bf16 -> f32 GEMM.
+  kw = dict(dimension_numbers=dimension_numbers, precision=None, out_sharding=None)
+  d_lhs = _lax._dot_general_transpose_lhs(
+    g,
+    _ad.UndefinedPrimal(jax.typeof(lhs).update(dtype=lhs_dtype)),
+    rhs,
+    preferred_element_type=lhs_dtype,
+    **kw,
+  )
+  d_rhs = _lax._dot_general_transpose_rhs(
+    g,
+    lhs,
+    _ad.UndefinedPrimal(jax.typeof(rhs).update(dtype=rhs_dtype)),
+    preferred_element_type=rhs_dtype,
+    **kw,
+  )
+  return d_lhs, d_rhs
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
 def mixed_dot(lhs, rhs, dimension_numbers, compute_dtype, out_sharding=None):
   """``dot_general`` with compute-dtype operands and f32 accumulation, forward and backward.
 
-  Lowered for the backend it is traced for (``lowering_platform``). On a
-  CPU every GEMM is bf16 x bf16 -> f32, the fast kernel, with operands laid
-  out as it needs (row-major, the result behind a barrier so that XLA cannot
-  fold a transpose into a layout XLA:CPU cannot run). Elsewhere (GPU, TPU)
-  the GEMM writes the dtype its consumer wants (the compute dtype forward, the
-  operand's own dtype backward): cuBLASLt and the TPU accumulate a half x
-  half -> half GEMM in f32, and XLA:GPU folds transposes into the call, so no
-  f32 intermediate and no separate convert kernel is written.
+  Lowered for the backend it is traced for (``lowering_platform``, see
+  :func:`forward_gemm`).
   """
-
-  def cpu(lhs, rhs):
-    out = _dot_f32(
-      lhs.astype(compute_dtype), rhs.astype(compute_dtype), dimension_numbers, out_sharding
-    )
-    return out.astype(compute_dtype)
-
-  def gpu(lhs, rhs):
-    return lax.dot_general(
-      lhs.astype(compute_dtype),
-      rhs.astype(compute_dtype),
-      dimension_numbers,
-      preferred_element_type=compute_dtype,
-      out_sharding=out_sharding,
-    )
-
-  return (cpu if lowering_platform(lhs, rhs) == "cpu" else gpu)(lhs, rhs)
+  return forward_gemm(
+    lhs.astype(compute_dtype),
+    rhs.astype(compute_dtype),
+    dimension_numbers,
+    compute_dtype,
+    out_sharding,
+    lowering_platform(lhs, rhs),
+  )
 
 
 def _mixed_dot_fwd(lhs, rhs, dimension_numbers, compute_dtype, out_sharding):
+  dtypes = (jnp.zeros((0,), lhs.dtype), jnp.zeros((0,), rhs.dtype))
   if lowering_platform(lhs, rhs) == "cpu":
     # Keep the operands as they came: a weight stays its f32 self (alive
     # anyway), an activation is already in the compute dtype.
     out = mixed_dot(lhs, rhs, dimension_numbers, compute_dtype, out_sharding)
-    return out, (lhs, rhs)
+    return out, (lhs, rhs, *dtypes)
   # GPU/TPU: cast each operand once and keep the compute-dtype copies for the
   # backward GEMMs (a weight's cast is half its f32 size; casting it again in
   # the backward pass would be a kernel reading the f32 master a second time).
   # Zero-size arrays carry the operands' own dtypes, which the gradients take.
   lhs_c, rhs_c = (checkpoint_name(x.astype(compute_dtype), SAVED) for x in (lhs, rhs))
-  out = lax.dot_general(
-    lhs_c, rhs_c, dimension_numbers, preferred_element_type=compute_dtype, out_sharding=out_sharding
-  )
-  dtypes = (jnp.zeros((0,), lhs.dtype), jnp.zeros((0,), rhs.dtype))
+  out = forward_gemm(lhs_c, rhs_c, dimension_numbers, compute_dtype, out_sharding, "gpu")
   return out, (lhs_c, rhs_c, *dtypes)
 
 
 def _mixed_dot_bwd(dimension_numbers, compute_dtype, out_sharding, residuals, g):
-  if len(residuals) == 2:  # the CPU lowering
-    lhs, rhs = residuals
-    # The cotangent may arrive transposed (through a transpose after the GEMM).
-    d_lhs, d_rhs = _grad_dots(
-      _row_major(g.astype(compute_dtype)),
-      lhs.astype(compute_dtype),
-      rhs.astype(compute_dtype),
-      dimension_numbers,
-    )
-    return d_lhs.astype(lhs.dtype), d_rhs.astype(rhs.dtype)
-  # JAX's own transpose rules, each GEMM writing the operand's dtype: an f32
-  # master gets its gradient straight from the bf16 x bf16 -> f32 GEMM.
-  lhs_c, rhs_c, lhs_dtype, rhs_dtype = residuals
-  g = g.astype(compute_dtype)
-  kw = dict(dimension_numbers=dimension_numbers, precision=None, out_sharding=None)
-  d_lhs = _lax._dot_general_transpose_lhs(
-    g,
-    _ad.UndefinedPrimal(jax.typeof(lhs_c).update(dtype=lhs_dtype.dtype)),
-    rhs_c,
-    preferred_element_type=lhs_dtype.dtype,
-    **kw,
+  lhs, rhs, lhs_dtype, rhs_dtype = residuals
+  return backward_gemms(
+    g.astype(compute_dtype),
+    lhs.astype(compute_dtype),
+    rhs.astype(compute_dtype),
+    dimension_numbers,
+    lhs_dtype.dtype,
+    rhs_dtype.dtype,
+    lowering_platform(lhs, rhs),
   )
-  d_rhs = _lax._dot_general_transpose_rhs(
-    g,
-    lhs_c,
-    _ad.UndefinedPrimal(jax.typeof(rhs_c).update(dtype=rhs_dtype.dtype)),
-    preferred_element_type=rhs_dtype.dtype,
-    **kw,
-  )
-  return d_lhs, d_rhs
 
 
 mixed_dot.defvjp(_mixed_dot_fwd, _mixed_dot_bwd)

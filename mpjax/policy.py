@@ -20,6 +20,7 @@ import numpy as np
 from jax.typing import DTypeLike
 
 from mpjax._dtypes import cast_floating
+from mpjax.fp8 import Fp8Recipe
 
 __all__ = [
   "Policy",
@@ -65,6 +66,10 @@ class Policy:
     param_dtype: dtype of the stored (master) parameters.
     compute_dtype: dtype the forward and backward computation runs in.
     output_dtype: dtype of what the model returns.
+    fp8: an :class:`mpjax.Fp8Recipe` to run the GEMMs of layers in FP8
+      (under :func:`mpjax.autocast` and :func:`mpjax.make_train_step`), the
+      rest as the dtypes say; ``None`` (default) for no FP8. It needs
+      ``compute_dtype`` bf16 or f16 (what FP8 values are widened to).
 
   Example:
     >>> import jax.numpy as jnp
@@ -79,10 +84,22 @@ class Policy:
   param_dtype: DTypeLike
   compute_dtype: DTypeLike
   output_dtype: DTypeLike
+  fp8: Fp8Recipe | None = None
 
   def __post_init__(self):
     for field in ("param_dtype", "compute_dtype", "output_dtype"):
       object.__setattr__(self, field, _canonical_dtype(getattr(self, field), field))
+    if self.fp8 is not None:
+      if not isinstance(self.fp8, Fp8Recipe):
+        raise ValueError(
+          f"Policy fp8={self.fp8!r} is not an mpjax.Fp8Recipe; pass mpjax.Fp8Recipe(...) or None."
+        )
+      if not self.is_mixed:
+        raise ValueError(
+          f"Policy fp8=...: FP8 GEMMs need f32 params and bf16 or f16 compute (what the FP8 "
+          f"values are widened to), not params {self.param_dtype.name} and compute "
+          f"{self.compute_dtype.name}. Use mpjax.get_policy('mixed_fp8')."
+        )
 
   @property
   def is_mixed(self) -> bool:
@@ -109,9 +126,10 @@ class Policy:
     return dataclasses.replace(self, output_dtype=output_dtype)
 
   def __repr__(self) -> str:
+    fp8 = f", fp8={self.fp8}" if self.fp8 is not None else ""
     return (
       f"Policy(param_dtype={self.param_dtype.name}, "
-      f"compute_dtype={self.compute_dtype.name}, output_dtype={self.output_dtype.name})"
+      f"compute_dtype={self.compute_dtype.name}, output_dtype={self.output_dtype.name}{fp8})"
     )
 
   __str__ = __repr__
@@ -123,6 +141,7 @@ PRESETS: dict[str, Policy] = {
   "fp32": Policy(_F32, _F32, _F32),
   "mixed_bf16": Policy(_F32, _BF16, _F32),
   "mixed_fp16": Policy(_F32, _F16, _F32),
+  "mixed_fp8": Policy(_F32, _BF16, _F32, fp8=Fp8Recipe()),
   "pure_bf16": Policy(_BF16, _BF16, _BF16),
 }
 """The named policies; ``"auto"`` picks one of them for the running backend."""
@@ -292,7 +311,9 @@ def get_policy(spec: Policy | str | Any = "mixed_bf16") -> Policy:
   """Resolves a policy from a preset name, jmp's string grammar, a jmp.Policy or a Policy.
 
   Presets: ``"fp32"``; ``"mixed_bf16"`` (params f32, compute bf16, output f32);
-  ``"mixed_fp16"`` (the same with fp16); ``"pure_bf16"`` (all bf16); ``"auto"``
+  ``"mixed_fp16"`` (the same with fp16); ``"mixed_fp8"`` (``"mixed_bf16"``
+  with the GEMMs of layers in FP8: E4M3 operands, E5M2 gradients, delayed
+  scaling in a train step, see :class:`mpjax.Fp8Recipe`); ``"pure_bf16"`` (all bf16); ``"auto"``
   (bf16 on TPU and on NVIDIA GPUs of compute capability >= 8.0, fp16 on 7.x,
   bf16 on CPUs with AVX512-BF16 or AMX, else fp32).
 

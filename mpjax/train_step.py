@@ -13,10 +13,12 @@ from jax import lax
 from mpjax._backend import lowering_platform
 from mpjax._dtypes import is_floating, to_f32
 from mpjax.autocast import autocast as autocast_fn
+from mpjax.autocast import autocast_with_fp8_state, fp8_state_for
+from mpjax.fp8 import Fp8Meta, next_meta
 from mpjax.loss_scale import DynamicLossScale, NoOpLossScale, all_finite, select_tree
 from mpjax.train_state import TrainState
 
-__all__ = ["make_train_step"]
+__all__ = ["make_train_step", "init_fp8_state"]
 
 LossFn = Callable[[Any, Any], Any]
 StepFn = Callable[[TrainState, Any], tuple[TrainState, dict[str, Any]]]
@@ -214,17 +216,31 @@ def make_train_step(
         return loss_fn(params, batch), model_state
 
     use_autocast = autocast if autocast is not None else policy.is_mixed
+    if policy.fp8 is not None and not use_autocast:
+      raise ValueError(
+        f"train step: the policy has FP8 GEMMs ({policy.fp8}), which run through autocast, "
+        "but this step does not autocast (autocast=False or cast_params=False). Leave "
+        "autocast and cast_params unset, or use mixed_bf16."
+      )
+    fp8_state = state.fp8
+    if policy.fp8 is not None and not fp8_state:  # the first step makes the delayed state
+      fp8_state = fp8_state_for(
+        model_fn, policy, state.params, state.model_state, batch, rules=autocast_rules
+      )
     if use_autocast:  # autocast casts params and batch where each operation uses them
-      run = autocast_fn(model_fn, policy, rules=autocast_rules)
+      with_fp8 = autocast_with_fp8_state(model_fn, policy, rules=autocast_rules)
+
+      def run(params, model_state, batch, fp8):
+        return with_fp8(fp8 or None, params, model_state, batch)
     else:
       compute_batch = policy.cast_to_compute(batch) if cast_batch else batch
 
-      def run(params, model_state, _):
+      def run(params, model_state, _, fp8):
         params = policy.cast_to_compute(params) if cast_params else params
         return model_fn(params, model_state, compute_batch)
 
-    def scaled_loss(params):
-      out = run(params, state.model_state, batch)
+    def scaled_loss(params, fp8):
+      out = run(params, state.model_state, batch, fp8)
       if not (isinstance(out, (tuple, list)) and len(out) == 2):
         raise ValueError(
           "with_model_state=True: loss_fn(params, model_state, batch) must return "
@@ -245,8 +261,16 @@ def make_train_step(
         "skip_nonfinite unset, or use StaticLossScale / NoOpLossScale."
       )
 
-    params = state.params if axis_name is None else _as_varying(state.params, axis_name)
-    grads, (loss, aux, model_state) = jax.grad(scaled_loss, has_aux=True)(params)
+    params, old_fp8 = state.params, fp8_state
+    if axis_name is not None:
+      params, fp8_state = _as_varying((params, fp8_state), axis_name)
+    (grads, fp8_returned), (loss, aux, model_state) = jax.grad(
+      scaled_loss, argnums=(0, 1), has_aux=True
+    )(params, fp8_state)
+    # The FP8 state's "gradient" is its next value (see mpjax.fp8.fp8_dot).
+    fp8_state = tuple(map(next_meta, fp8_returned, old_fp8))
+    if axis_name is not None:  # the amaxes of all devices' shards
+      fp8_state = lax.pmax(fp8_state, axis_name)
     # f32 gradients whatever the params' dtype (pure_bf16), for the norm and the update.
     grads = jax.tree.map(to_f32, loss_scale.unscale(grads))
     if axis_name is not None:
@@ -264,20 +288,26 @@ def make_train_step(
       grads = jax.tree.map(lambda g: g * jnp.minimum(1.0, max_grad_norm / grad_norm), grads)
 
     def apply_update(operands):
-      params, opt_state, _, grads, new_model_state = operands
+      params, opt_state, _, _, grads, new_model_state, new_fp8 = operands
       updates, new_opt_state = state.tx.update(_like(grads, params), opt_state, params)
       # apply_updates keeps each param's dtype; optimizers may not keep theirs.
       new_params = optax.apply_updates(params, updates)
-      return new_params, _like(new_opt_state, opt_state), new_model_state
+      return new_params, _like(new_opt_state, opt_state), new_model_state, new_fp8
 
     def keep(operands):
-      return operands[:3]
+      return operands[:4]
 
-    operands = (state.params, state.opt_state, state.model_state, grads, model_state)
+    operands = (
+      state.params, state.opt_state, state.model_state, old_fp8, grads, model_state, fp8_state
+    )
     if not check:
-      params, opt_state, model_state = apply_update(operands)
+      params, opt_state, model_state, fp8_state = apply_update(operands)
       new_state = state.replace(
-        step=state.step + 1, params=params, opt_state=opt_state, model_state=model_state
+        step=state.step + 1,
+        params=params,
+        opt_state=opt_state,
+        model_state=model_state,
+        fp8=fp8_state,
       )
     else:
       metrics["grads_finite"] = grads_finite = all_finite(grad_norm, axis_name=axis_name)
@@ -294,7 +324,7 @@ def make_train_step(
         return select_tree(finite, apply_update(operands), keep(operands))
 
       update = by_cond if lowering_platform(grads_finite, params) == "cpu" else by_select
-      params, opt_state, model_state = update(grads_finite, operands)
+      params, opt_state, model_state, fp8_state = update(grads_finite, operands)
       skipped = (~grads_finite).astype(jnp.int32)
       new_state = state.replace(
         step=state.step + 1 - skipped,
@@ -303,9 +333,53 @@ def make_train_step(
         loss_scale=loss_scale.adjust(grads_finite),
         skipped_steps=state.skipped_steps + skipped,
         model_state=model_state,
+        fp8=fp8_state,
       )
     if aux is not None:
       metrics["aux"] = aux
     return new_state, metrics
 
   return step
+
+
+def init_fp8_state(step: StepFn, state: TrainState, batch: Any) -> TrainState:
+  """``state`` with the FP8 delayed-scaling state its first step would make.
+
+  The first step of an FP8 policy makes ``state.fp8`` (one
+  :class:`mpjax.Fp8Meta` per FP8 GEMM) itself; call this to have it before
+  that step, e.g. as the target to restore an FP8 run's checkpoint into, or to
+  compile the step once rather than twice. Traces ``step`` (shapes only;
+  nothing runs). A state that has it, or a policy without FP8, comes back as
+  it is.
+
+  Args:
+    step: the train step (from :func:`mpjax.make_train_step`, jitted or not).
+    state: a state from :meth:`TrainState.create`.
+    batch: a batch of the shapes the step trains on.
+
+  Returns:
+    The state with ``fp8`` filled: scales of 1, empty histories.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, flax.linen as nn
+    >>> import mpjax
+    >>> model = nn.Sequential([nn.Dense(32), nn.relu, nn.Dense(32), nn.relu, nn.Dense(1)])
+    >>> x = jnp.ones((16, 32))
+    >>> state = mpjax.TrainState.create(apply_fn=model.apply,
+    ...     params=model.init(jax.random.key(0), x), tx=optax.sgd(0.1), policy="mixed_fp8")
+    >>> step = mpjax.make_train_step(lambda p, b: jnp.mean(model.apply(p, b) ** 2))
+    >>> len(mpjax.init_fp8_state(step, state, x).fp8)  # the middle Dense; first and last stay bf16
+    1
+  """
+  if state.fp8 or state.policy.fp8 is None:
+    return state
+  shapes = jax.eval_shape(step, state, batch)[0].fp8
+  return state.replace(
+    fp8=tuple(
+      Fp8Meta(
+        scale=jnp.ones(m.scale.shape, jnp.float32),
+        amax_history=jnp.zeros(m.amax_history.shape, jnp.float32),
+      )
+      for m in shapes
+    )
+  )

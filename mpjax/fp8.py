@@ -1,0 +1,312 @@
+"""FP8 GEMMs: E4M3 operands forward, E5M2 gradients backward, scaled per tensor.
+
+An FP8 format holds few values (E4M3: 448 at most, 3 mantissa bits; E5M2:
+57344, 2 bits), so each operand is divided by a scale that brings its largest
+magnitude (its *amax*) near the format's largest value before the cast, and the
+GEMM multiplies the scale back in. *Current* scaling takes the scale from the
+operand's amax at that moment; *delayed* scaling takes it from the amaxes of
+the steps before (a history kept in the train state), which needs no pass over
+the operand before it is cast.
+
+Each FP8 GEMM is written as quantize -> dequantize -> dot, forward and both
+backward GEMMs: ``dot(convert(q_lhs) * s_lhs, convert(q_rhs) * s_rhs)``. XLA's
+GPU GEMM rewriter turns that into one ``__cublas$lt$matmul$f8`` call (FP8
+operands, the scales passed to cuBLASLt, f32 accumulation, bf16 or f32
+output); other backends run the same program with the FP8 values widened
+(XLA:CPU emulates FP8), so the numerics are the same everywhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from mpjax._backend import lowering_platform
+from mpjax.gemm import backward_gemms, forward_gemm
+
+__all__ = ["Fp8Recipe", "Fp8Meta", "FP8_FORMATS"]
+
+FP8_FORMATS: dict[str, Any] = {"e4m3": jnp.float8_e4m3fn, "e5m2": jnp.float8_e5m2}
+"""The FP8 formats a recipe names, and their dtypes (E4M3 without infinities, as on H100)."""
+
+SCALINGS = ("delayed", "current")
+AMAX_COMPUTE_ALGOS = ("max", "most_recent")
+_POSITIONS = ("first", "last")
+
+# The order of a GEMM's three tensors in its Fp8Meta.
+LHS, RHS, GRAD = 0, 1, 2
+
+
+def _choice(field: str, value: Any, accepted: tuple[str, ...]) -> None:
+  if value not in accepted:
+    near = difflib.get_close_matches(str(value), accepted, n=1)
+    hint = f" Did you mean {near[0]!r}?" if near else ""
+    raise ValueError(
+      f"Fp8Recipe: {field}={value!r} is not one of {', '.join(map(repr, accepted))}.{hint}"
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Recipe:
+  """How a policy's FP8 GEMMs are scaled, and which GEMMs stay in the compute dtype.
+
+  The GEMMs an FP8 policy runs in FP8 are those of a layer: a ``dot_general``
+  of which at least one operand is an input of the function (a weight, or the
+  model's input). GEMMs of two computed values (attention scores and the
+  attention-weighted values) stay in the compute dtype, as in Transformer
+  Engine's recipes, and so do convolutions and grouped GEMMs.
+
+  Attributes:
+    scaling: ``"delayed"`` (each operand's scale comes from the amax history
+      of the steps before; the train state keeps the histories) or
+      ``"current"`` (each operand's scale comes from its own amax, taken when
+      it is cast: one more pass over it, no state). Where there is no state
+      to keep (:func:`mpjax.autocast` on its own, GEMMs inside ``scan``,
+      ``while``, ``custom_jvp`` and ``custom_vjp`` bodies, whose amaxes a
+      single history cannot follow), delayed scaling runs as current scaling.
+    amax_history_len: how many steps of amaxes delayed scaling keeps.
+    amax_compute_algo: how delayed scaling reads the history: ``"max"`` (the
+      largest amax it holds) or ``"most_recent"`` (the last step's).
+    margin: the scale leaves ``2**margin`` of headroom below the format's
+      largest value.
+    fwd_format: the format of the forward GEMMs' operands (``"e4m3"``).
+    bwd_format: the format of the output gradient in the backward GEMMs
+      (``"e5m2"``, the range gradients need). Together the default is what
+      Transformer Engine calls HYBRID; ``"e4m3"`` for both is its E4M3.
+    keep_bf16: the GEMMs that stay in the compute dtype: ``"first"`` and
+      ``"last"`` (the first and last FP8-eligible GEMM of the forward pass in
+      program order, e.g. a network's input projection and its output head,
+      the layers FP8 hurts most), and globs over the name-stack path (as
+      autocast's ``rules``), e.g. ``"*/head/*"``.
+
+  Raises:
+    ValueError: for a value not among the accepted ones (the message lists
+      them) or E5M2 in both directions (cuBLASLt has no E5M2 x E5M2 GEMM).
+
+  Example:
+    >>> import jax.numpy as jnp, mpjax
+    >>> recipe = mpjax.Fp8Recipe(scaling="current", keep_bf16=("last",))
+    >>> policy = mpjax.Policy(jnp.float32, jnp.bfloat16, jnp.float32, fp8=recipe)
+    >>> mpjax.get_policy("mixed_fp8").fp8.scaling, policy.fp8.scaling
+    ('delayed', 'current')
+  """
+
+  scaling: str = "delayed"
+  amax_history_len: int = 1024
+  amax_compute_algo: str = "max"
+  margin: int = 0
+  fwd_format: str = "e4m3"
+  bwd_format: str = "e5m2"
+  keep_bf16: tuple[str, ...] = ("first", "last")
+
+  def __post_init__(self):
+    _choice("scaling", self.scaling, SCALINGS)
+    _choice("amax_compute_algo", self.amax_compute_algo, AMAX_COMPUTE_ALGOS)
+    _choice("fwd_format", self.fwd_format, tuple(FP8_FORMATS))
+    _choice("bwd_format", self.bwd_format, tuple(FP8_FORMATS))
+    if self.fwd_format == self.bwd_format == "e5m2":
+      raise ValueError(
+        "Fp8Recipe: fwd_format='e5m2' with bwd_format='e5m2': a backward GEMM would be "
+        "E5M2 x E5M2, which cuBLASLt does not run. Use fwd_format='e4m3'."
+      )
+    if (
+      isinstance(self.amax_history_len, bool)
+      or not isinstance(self.amax_history_len, int | np.integer)
+      or self.amax_history_len < 1
+    ):
+      raise ValueError(
+        f"Fp8Recipe: amax_history_len={self.amax_history_len!r} must be a positive integer "
+        "(1024 is Transformer Engine's default)."
+      )
+    if isinstance(self.margin, bool) or not isinstance(self.margin, int | np.integer):
+      raise ValueError(f"Fp8Recipe: margin={self.margin!r} must be an integer (0 is the default).")
+    keep = (self.keep_bf16,) if isinstance(self.keep_bf16, str) else self.keep_bf16
+    if not all(isinstance(k, str) for k in keep):
+      raise ValueError(
+        f"Fp8Recipe: keep_bf16={self.keep_bf16!r} must be a tuple of 'first', 'last' and "
+        "name-stack globs such as '*/head/*'."
+      )
+    object.__setattr__(self, "keep_bf16", tuple(keep))
+    object.__setattr__(self, "amax_history_len", int(self.amax_history_len))
+    object.__setattr__(self, "margin", int(self.margin))
+
+  @property
+  def fwd_dtype(self) -> np.dtype:
+    """The dtype of the forward operands."""
+    return np.dtype(FP8_FORMATS[self.fwd_format])
+
+  @property
+  def bwd_dtype(self) -> np.dtype:
+    """The dtype of the output gradient."""
+    return np.dtype(FP8_FORMATS[self.bwd_format])
+
+
+class Fp8Meta(struct.PyTreeNode):
+  """The delayed-scaling state of one FP8 GEMM: the scales and amax histories of its tensors.
+
+  The three columns are the GEMM's left operand, right operand and output
+  gradient, in that order. The train state keeps one per FP8 GEMM
+  (``TrainState.fp8``); the step replaces it with the scales it used and the
+  histories with this step's amaxes in front.
+
+  Attributes:
+    scale: f32 ``(3,)``: the dequantization scale of each tensor (a value
+      ``x`` is stored as ``x / scale`` in FP8).
+    amax_history: f32 ``(amax_history_len, 3)``: row 0 holds the latest
+      step's amaxes, row ``i`` those of ``i`` steps before.
+
+  Example:
+    >>> import mpjax
+    >>> meta = mpjax.Fp8Meta.initial(mpjax.Fp8Recipe(amax_history_len=16))
+    >>> meta.scale.tolist(), meta.amax_history.shape
+    ([1.0, 1.0, 1.0], (16, 3))
+  """
+
+  scale: jax.Array
+  amax_history: jax.Array
+
+  @classmethod
+  def initial(cls, recipe: Fp8Recipe) -> Fp8Meta:
+    """Scales of 1 and an empty (all-zero) history, as Transformer Engine starts."""
+    return cls(
+      scale=jnp.ones((3,), jnp.float32),
+      amax_history=jnp.zeros((recipe.amax_history_len, 3), jnp.float32),
+    )
+
+
+def fp8_max(dtype: Any) -> float:
+  """The largest finite value of an FP8 dtype (448 for E4M3, 57344 for E5M2)."""
+  return float(jnp.finfo(dtype).max)
+
+
+def amax(x: jax.Array) -> jax.Array:
+  """The largest magnitude of ``x``, as an f32 scalar."""
+  return jnp.max(jnp.abs(x)).astype(jnp.float32)
+
+
+def compute_scale(
+  amax_value: jax.Array, scale: jax.Array, dtype: Any, margin: int = 0
+) -> jax.Array:
+  """The dequantization scale that maps ``amax_value`` to the format's largest value.
+
+  ``amax * 2**margin / max``; where ``amax`` is zero or not finite the old
+  ``scale`` is kept, so a scale is never zero, inf or NaN.
+  """
+  new = amax_value * (2.0**margin / fp8_max(dtype))
+  ok = jnp.isfinite(amax_value) & (amax_value > 0) & (new > 0)
+  return jnp.where(ok, new, scale).astype(jnp.float32)
+
+
+def quantize(x: jax.Array, dtype: Any, scale: jax.Array) -> jax.Array:
+  """``x / scale`` in the FP8 ``dtype``, saturating: a value beyond its range becomes its max.
+
+  The division runs in f32; NaN stays NaN.
+  """
+  big = fp8_max(dtype)
+  return jnp.clip(x.astype(jnp.float32) / scale, -big, big).astype(dtype)
+
+
+def dequantize(q: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:
+  """``q * scale`` in ``dtype`` (what XLA's GPU rewriter folds into an FP8 cuBLASLt call)."""
+  return q.astype(dtype) * scale.astype(dtype)
+
+
+def history_amax(history: jax.Array, algo: str) -> jax.Array:
+  """Per column, the amax delayed scaling uses: the history's max, or its latest row."""
+  return history[0] if algo == "most_recent" else jnp.max(history, axis=0)
+
+
+def push_amax(history: jax.Array, amaxes: jax.Array) -> jax.Array:
+  """The history with ``amaxes`` as its new row 0 and its oldest row dropped.
+
+  A non-finite amax is recorded as 0 (no information), so that one overflow
+  cannot hold the scale for the length of the history.
+  """
+  amaxes = jnp.where(jnp.isfinite(amaxes), amaxes, 0.0).astype(history.dtype)
+  return jnp.concatenate([amaxes[None], history[:-1]], axis=0)
+
+
+def _scale(meta: Fp8Meta | None, col: int, now: jax.Array, dtype: Any, recipe: Fp8Recipe):
+  """The scale of the GEMM's tensor ``col`` this step: from its amax ``now`` or its history."""
+  if meta is None:  # current scaling
+    return compute_scale(now, jnp.float32(1.0), dtype, recipe.margin)
+  source = history_amax(meta.amax_history, recipe.amax_compute_algo)[col]
+  return compute_scale(source, meta.scale[col], dtype, recipe.margin)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def fp8_dot(lhs, rhs, meta, dimension_numbers, recipe, compute_dtype, out_sharding=None):
+  """``dot_general`` with FP8 operands forward and an FP8 output gradient backward.
+
+  ``meta`` is the GEMM's :class:`Fp8Meta` (delayed scaling) or ``None``
+  (current scaling). Under differentiation, the cotangent returned for
+  ``meta`` is its next value (the scales used and the history with this
+  step's amaxes), which the train step takes in place of the old one, as
+  Flax's "overwrite with gradient" variables do. The result is in
+  ``compute_dtype``; the gradients in each operand's own dtype.
+  """
+  return _fp8_dot_fwd(lhs, rhs, meta, dimension_numbers, recipe, compute_dtype, out_sharding)[0]
+
+
+def _fp8_dot_fwd(lhs, rhs, meta, dimension_numbers, recipe, compute_dtype, out_sharding):
+  fwd = recipe.fwd_dtype
+  amaxes = jnp.stack([amax(lhs), amax(rhs)])
+  s_lhs = _scale(meta, LHS, amaxes[LHS], fwd, recipe)
+  s_rhs = _scale(meta, RHS, amaxes[RHS], fwd, recipe)
+  q_lhs, q_rhs = quantize(lhs, fwd, s_lhs), quantize(rhs, fwd, s_rhs)
+  platform = lowering_platform(lhs, rhs)
+  out = forward_gemm(
+    dequantize(q_lhs, s_lhs, compute_dtype),
+    dequantize(q_rhs, s_rhs, compute_dtype),
+    dimension_numbers,
+    compute_dtype,
+    out_sharding,
+    platform,
+  )
+  # The backward GEMMs read the FP8 operands (1 byte each) and their scales.
+  dtypes = (jnp.zeros((0,), lhs.dtype), jnp.zeros((0,), rhs.dtype))
+  return out, (q_lhs, q_rhs, jnp.stack([s_lhs, s_rhs]), amaxes, meta, *dtypes)
+
+
+def _fp8_dot_bwd(dimension_numbers, recipe, compute_dtype, out_sharding, residuals, g):
+  q_lhs, q_rhs, scales, amaxes, meta, lhs_dtype, rhs_dtype = residuals
+  g_amax = amax(g)
+  s_g = _scale(meta, GRAD, g_amax, recipe.bwd_dtype, recipe)
+  q_g = quantize(g, recipe.bwd_dtype, s_g)
+  d_lhs, d_rhs = backward_gemms(
+    dequantize(q_g, s_g, compute_dtype),
+    dequantize(q_lhs, scales[LHS], compute_dtype),
+    dequantize(q_rhs, scales[RHS], compute_dtype),
+    dimension_numbers,
+    lhs_dtype.dtype,
+    rhs_dtype.dtype,
+    lowering_platform(q_lhs, q_rhs),
+  )
+  new_meta = None
+  if meta is not None:
+    new_meta = Fp8Meta(
+      scale=jnp.concatenate([scales, s_g[None]]),
+      amax_history=push_amax(meta.amax_history, jnp.concatenate([amaxes, g_amax[None]])),
+    )
+  return d_lhs, d_rhs, new_meta
+
+
+fp8_dot.defvjp(_fp8_dot_fwd, _fp8_dot_bwd)
+
+
+def next_meta(returned: Fp8Meta, old: Fp8Meta) -> Fp8Meta:
+  """The state after a step: ``returned`` (the cotangent :func:`fp8_dot` gave ``meta``).
+
+  A GEMM whose backward pass did not run (a ``cond`` branch not taken, a
+  result nothing used) returns a zero cotangent; its scales would be 0, and
+  the old state is kept instead.
+  """
+  ran = jnp.all(returned.scale > 0)
+  return jax.tree.map(lambda new, prev: jnp.where(ran, new, prev), returned, old)
