@@ -846,7 +846,8 @@ def _run(
     plan, found = learnt["fp8"]
     if count_fp8:
       return [
-        g for g, in_fp8 in zip(found, plan, strict=True)
+        g
+        for g, in_fp8 in zip(found, plan, strict=True)
         if in_fp8 and not g.stateless and g.recipe.scaling == "delayed"
       ]
   elif count_fp8:

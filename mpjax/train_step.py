@@ -298,7 +298,13 @@ def make_train_step(
       return operands[:4]
 
     operands = (
-      state.params, state.opt_state, state.model_state, old_fp8, grads, model_state, fp8_state
+      state.params,
+      state.opt_state,
+      state.model_state,
+      old_fp8,
+      grads,
+      model_state,
+      fp8_state,
     )
     if not check:
       params, opt_state, model_state, fp8_state = apply_update(operands)
