@@ -610,14 +610,17 @@ def _conv_row_dims(eqn: Any) -> dict[str, int]:
   }
 
 
-def _row(eqn: Any, path: str, count: int, note: str) -> GemmRow:
+def _row(eqn: Any, path: str, count: int, note: str, fp8_of: Mapping[Any, np.dtype]) -> GemmRow:
   lhs, rhs = (v.aval for v in eqn.invars[:2])
+  # An operand dequantized from FP8 right before the GEMM is an FP8 operand
+  # (what XLA's GPU rewriter makes of it): the row says so.
+  lhs_dtype, rhs_dtype = (fp8_of.get(v, v.aval.dtype) for v in eqn.invars[:2])
   out = eqn.outvars[0].aval
   is_dot = eqn.primitive.name != "conv_general_dilated"
   dims = _dot_row_dims(eqn) if is_dot else _conv_row_dims(eqn)
   alignment = None
-  if _is_half(lhs.dtype) and _is_half(rhs.dtype):
-    alignment = max(_alignment(lhs.dtype), _alignment(rhs.dtype))
+  if _is_half(lhs_dtype) and _is_half(rhs_dtype):
+    alignment = max(_alignment(lhs_dtype), _alignment(rhs_dtype))
   checked = ("M", "N", "K") if is_dot else ("C_in", "C_out")
   misaligned = tuple(
     f"{d}={dims[d]}" for d in checked if alignment is not None and dims[d] % alignment
@@ -629,8 +632,8 @@ def _row(eqn: Any, path: str, count: int, note: str) -> GemmRow:
     lhs_shape=tuple(lhs.shape),
     rhs_shape=tuple(rhs.shape),
     out_shape=tuple(out.shape),
-    lhs_dtype=np.dtype(lhs.dtype).name,
-    rhs_dtype=np.dtype(rhs.dtype).name,
+    lhs_dtype=np.dtype(lhs_dtype).name,
+    rhs_dtype=np.dtype(rhs_dtype).name,
     out_dtype=np.dtype(out.dtype).name,
     precision=_precision_name(eqn.params.get("precision")),
     dims=dims,
@@ -662,14 +665,45 @@ def _repeat(eqn: Any) -> int:
   return 1
 
 
-def _walk(jaxpr: Any, prefix: str, count: int, note: str, rows: list[GemmRow]) -> None:
-  """Appends a row for each GEMM of ``jaxpr`` and of every jaxpr nested in it."""
+# Ops between an FP8 value's widening and the GEMM that XLA's GPU rewriter
+# looks through: the scale's multiply, and moves of the data.
+_DEQUANTIZE_PATH = frozenset(
+  "mul reshape transpose broadcast_in_dim squeeze expand_dims copy copy_p".split()
+)
+
+
+def _is_fp8(dtype: Any) -> bool:
+  dtype = np.dtype(dtype)
+  return bool(jnp.issubdtype(dtype, jnp.floating)) and dtype.itemsize == 1
+
+
+def _walk(
+  jaxpr: Any,
+  prefix: str,
+  count: int,
+  note: str,
+  rows: list[GemmRow],
+  fp8_of: dict[Any, np.dtype] | None = None,
+) -> None:
+  """Appends a row for each GEMM of ``jaxpr`` and of every jaxpr nested in it.
+
+  ``fp8_of`` maps the values dequantized from FP8 (``convert(q) * scale``) to
+  their FP8 dtype.
+  """
+  fp8_of = {} if fp8_of is None else fp8_of
   for eqn in jaxpr.eqns:
     local = str(eqn.source_info.name_stack)
     path = "/".join(p for p in (prefix, local) if p)
     name = eqn.primitive.name
+    invars = [v for v in eqn.invars if not isinstance(v, jcore.Literal)]
+    if name == "convert_element_type" and _is_fp8(eqn.invars[0].aval.dtype):
+      fp8_of[eqn.outvars[0]] = np.dtype(eqn.invars[0].aval.dtype)
+    elif name in _DEQUANTIZE_PATH and any(v in fp8_of for v in invars):
+      fp8_of[eqn.outvars[0]] = next(fp8_of[v] for v in invars if v in fp8_of)
+    elif name == "optimization_barrier":  # the CPU lowering's layout barrier
+      fp8_of.update({o: fp8_of[i] for i, o in zip(invars, eqn.outvars) if i in fp8_of})
     if name in _GEMM_PRIMITIVES:
-      rows.append(_row(eqn, path, count, note))
+      rows.append(_row(eqn, path, count, note, fp8_of))
       continue
     # custom_vjp_call / custom_jvp_call: their call_jaxpr is what runs when they
     # are not differentiated; under jax.grad their fwd and bwd rules are already
@@ -681,7 +715,14 @@ def _walk(jaxpr: Any, prefix: str, count: int, note: str, rows: list[GemmRow]) -
         inner_note = f"while {'body' if key == 'body_jaxpr' else 'condition'}: counted once"
       elif name == "cond":
         inner_note = "cond branch: counted as if taken"
-      _walk(sub, path, count * repeat, inner_note, rows)
+      inner_fp8 = {}
+      if len(sub.invars) == len(eqn.invars):  # a call: its inputs are the equation's
+        inner_fp8 = {
+          i: fp8_of[o]
+          for i, o in zip(sub.invars, eqn.invars, strict=True)
+          if not isinstance(o, jcore.Literal) and o in fp8_of
+        }
+      _walk(sub, path, count * repeat, inner_note, rows, inner_fp8)
 
 
 # --------------------------------------------------------------------------- flags and matching
@@ -706,6 +747,15 @@ def _gemm_signature(gemm: CompiledGemm) -> tuple:
   return _signature(gemm.op, gemm.lhs_shape, gemm.rhs_shape, gemm.out_shape, gemm.dims)
 
 
+def _padded_signature(signature: tuple) -> tuple:
+  """A dot's signature with M, N and K rounded up to 16: XLA pads misaligned GEMMs (8 or 16)."""
+  if signature[0] != "dot":
+    return signature
+  _, batch, mn, k = signature
+  up = lambda n: -(-n // 16) * 16  # noqa: E731
+  return ("dot", batch, tuple(sorted(map(up, mn))), up(k))
+
+
 def _split_k_signature(signature: tuple) -> tuple:
   """A dot's signature up to split-K: XLA's Triton GEMMs may split K into a batch dim."""
   if signature[0] != "dot":
@@ -720,22 +770,17 @@ def _match(
   """Pairs each row with a compiled GEMM of the same sizes (dtypes, then op_name break ties).
 
   Exact sizes first; then, for rows left over, sizes up to split-K (a Triton
-  GEMM fusion that splits the contracting dim over a new batch dim).
+  GEMM fusion that splits the contracting dim over a new batch dim); then
+  sizes up to XLA's padding of misaligned GEMMs.
   """
   unused = list(compiled)
   matched: list[CompiledGemm | None] = [None] * len(rows)
-  for loose in (False, True):
+  for loosen in (lambda s: s, _split_k_signature, _padded_signature):
     for i, row in enumerate(rows):
       if matched[i] is not None:
         continue
-      signature = _row_signature(row)
-      if loose:
-        signature = _split_k_signature(signature)
-      candidates = [
-        g
-        for g in unused
-        if (_split_k_signature(_gemm_signature(g)) if loose else _gemm_signature(g)) == signature
-      ]
+      signature = loosen(_row_signature(row))
+      candidates = [g for g in unused if loosen(_gemm_signature(g)) == signature]
 
       def score(g: CompiledGemm, row: GemmRow = row) -> int:
         same_dtypes = {g.lhs_dtype, g.rhs_dtype} == {row.lhs_dtype, row.rhs_dtype}
@@ -775,12 +820,15 @@ def _flags(row: GemmRow, platform: str) -> tuple[Flag, ...]:
             "Tensor Cores, at half the bf16 rate and twice the bytes.",
           )
         )
+  fp8 = _is_fp8(row.lhs_dtype) or _is_fp8(row.rhs_dtype)
   if row.misaligned:
     cost = (
       "on a GPU XLA pads the operands with copies"
       if row.op != "conv_general_dilated"
       else "cuDNN falls back to slower kernels (XLA does not pad half convolutions)"
     )
+    if fp8:
+      cost = "FP8 cuBLASLt GEMMs need multiples of 16; XLA pads the operands with copies"
     flags.append(
       Flag(
         "misaligned",
@@ -795,6 +843,15 @@ def _flags(row: GemmRow, platform: str) -> tuple[Flag, ...]:
         "half-result-on-cpu",
         f"{_short(row.out_dtype)} result: XLA:CPU upcasts a half x half -> half GEMM to f32 and "
         "back, slower than f32; accumulate in f32 (preferred_element_type=jnp.float32).",
+      )
+    )
+  if fp8 and row.call_kind is not None and row.call_kind != "cublas_lt_f8":
+    flags.append(
+      Flag(
+        "fp8-not-f8-call",
+        f"FP8 operands, but XLA made it {row.call}, not an FP8 cuBLASLt call: it runs on the "
+        "widened values at the bf16 rate (needs an FP8-capable target, compute capability "
+        ">= 8.9).",
       )
     )
   if row.call_kind is not None and row.call_kind not in _FAST_CALLS:
