@@ -277,3 +277,60 @@ def test_bench_target_prints_kernel_tables_with_ratios(tmp_path):
   results = record["results"]["mlp"]
   assert {"plain fp32", "mpjax mixed_bf16 autocast", "flax dtype=bf16", "jmp cast"} <= set(results)
   assert results["plain fp32"]["kernels"] > 0 and results["plain fp32"]["gemm_flops"] > 0
+
+
+@pytest.fixture(scope="module")
+def fp8_lm():
+  step, state, batch = _lm_step("mixed_fp8")
+  return step, mpjax.init_fp8_state(step, state, batch), batch
+
+
+def test_every_fp8_gemm_of_an_lm_step_is_an_fp8_cublaslt_call_on_h100(fp8_lm):
+  step, state, batch = fp8_lm
+  # 2 blocks x (qkv, out, up, down) + the head; the first (qkv of block 0) and
+  # the last (the head) stay bf16 by default.
+  assert len(state.fp8) == 7
+  report = mpjax.audit(step, state, batch, target="h100")
+  fp8_rows = [r for r in report.rows if "f8" in r.dtypes]
+  # Forward and both backward GEMMs of each: E4M3 x E4M3 forward, E5M2 gradients.
+  assert len(fp8_rows) == 3 * len(state.fp8)
+  assert {r.call for r in fp8_rows} == {"__cublas$lt$matmul$f8"}
+  assert sum("e5m2" in r.dtypes for r in fp8_rows) == 2 * len(state.fp8)
+  others = [r for r in report.rows if r not in fp8_rows]
+  assert {r.call for r in others} == {"__cublas$lt$matmul"} and others
+  # The attention GEMMs (two computed operands) and the kept layers are bf16.
+  assert {r.dtypes.split(" ->")[0] for r in others} == {"bf16 x bf16"}
+  assert report.fast_path_share == 1.0 and not report.flagged
+  kernels = mpjax.kernel_report(step, state, batch, target="h100")
+  assert kernels.calls["cublas_lt_f8"] == 3 * len(state.fp8)
+  assert {k.peak_dtype for k in kernels.kernels if k.call == "cublas_lt_f8"} <= {
+    "float8_e4m3fn",
+    "float8_e5m2",
+  }
+
+
+def test_fp8_gemms_on_a_gpu_without_fp8_tensor_cores_are_flagged(fp8_lm):
+  step, state, batch = fp8_lm
+  report = mpjax.audit(step, state, batch, target="a100")
+  fp8_rows = [r for r in report.rows if "f8" in r.dtypes]
+  assert fp8_rows and {r.call for r in fp8_rows} == {"__cublas$lt$matmul"}  # premise: no f8 call
+  assert all("fp8-not-f8-call" in [f.code for f in r.flags] for r in fp8_rows)
+  assert report.fast_path_share < 1.0
+
+
+def test_fp8_gemm_dims_not_a_multiple_of_16_are_flagged():
+  model = nn.Sequential([nn.Dense(200), nn.relu, nn.Dense(200), nn.relu, nn.Dense(16)])
+  x = jnp.ones((64, 64))
+  params = model.init(jax.random.key(0), x)
+  state = mpjax.TrainState.create(
+    apply_fn=model.apply, params=params, tx=optax.sgd(0.1), policy="mixed_fp8"
+  )
+  step = mpjax.make_train_step(lambda p, b: jnp.mean(model.apply(p, b) ** 2))
+  report = mpjax.audit(step, state, x, target="h100")
+  fp8_rows = [r for r in report.rows if "f8" in r.dtypes]
+  assert len(fp8_rows) == 3  # the middle Dense: 200 = 8 x 25, aligned for bf16, not for FP8
+  for row in fp8_rows:
+    assert row.alignment == 16 and row.misaligned
+    (flag,) = [f for f in row.flags if f.code == "misaligned"]
+    assert "multiples of 16" in flag.reason
+  assert all(not r.misaligned for r in report.rows if r not in fp8_rows)
