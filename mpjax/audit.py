@@ -957,6 +957,18 @@ class AuditReport:
         f"- `{g.name}`: `{g.call}` {g.lhs_dtype} {g.lhs_shape} x {g.rhs_dtype} {g.rhs_shape}"
         for g in self.compiled_only
       ]
+    fp8 = [r for r in self.rows if _is_fp8(r.lhs_dtype) or _is_fp8(r.rhs_dtype)]
+    if fp8:
+      f8_calls = sum(r.call_kind == "cublas_lt_f8" for r in fp8)
+      lines += [
+        "",
+        f"FP8: {len(fp8)} GEMMs with FP8 operands"
+        + (
+          f", {f8_calls} of them FP8 cuBLASLt calls (`__cublas$lt$matmul$f8`)."
+          if with_call
+          else "."
+        ),
+      ]
     lines += [
       "",
       f"Compiled HLO ({self.platform}): {self.compiled_note}",

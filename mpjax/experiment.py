@@ -47,7 +47,7 @@ from mpjax.autocast import autocast
 from mpjax.loss_scale import DynamicLossScale, LossScale, NoOpLossScale
 from mpjax.policy import POLICY_ENV_VAR, Policy, _cpu_has_native_bf16_dot, get_policy
 from mpjax.train_state import TrainState
-from mpjax.train_step import make_train_step
+from mpjax.train_step import init_fp8_state, make_train_step
 
 __all__ = ["ConfigError", "Experiment", "compare", "find_config", "load_config", "train"]
 
@@ -604,8 +604,12 @@ def train(
   path = _run_dir(config, run_dir)
   _check_same_run(path, config, exp.policy)
   with _stop_on_signals() as stop:  # from here on, a signal means: checkpoint and stop
-    state = exp.init_state()
     step_fn = exp.make_step()
+    first_batch = exp.put_batch(exp.dataset.batch(0, config.batch_size, 0))
+    # An FP8 policy's delayed-scaling state, made before the step is compiled
+    # (and as the checkpoint's restore target), replicated like the rest.
+    state = init_fp8_state(step_fn, exp.init_state(), first_batch)
+    state = state.replace(fp8=jax.device_put(state.fp8, NamedSharding(exp.mesh, P())))
     options = ocp.CheckpointManagerOptions(max_to_keep=2, create=True)
     with ocp.CheckpointManager(path / "checkpoints", options=options) as manager:
       start = manager.latest_step() or 0
@@ -638,7 +642,7 @@ def train(
             "--run_dir."
           ) from None
       metrics_log = _Metrics(path, start)
-      compiled = step_fn.lower(state, exp.put_batch(exp.dataset.batch(0, config.batch_size, 0)))
+      compiled = step_fn.lower(state, first_batch)
       compiled = compiled.compile()
       memory = compiled.memory_analysis()
       step_memory_mib = memory.temp_size_in_bytes / 2**20 if memory is not None else float("nan")

@@ -195,11 +195,16 @@ def test_every_shipped_config_audits_on_h100_with_every_gemm_matched(
   assert not not_found, (report.compiled_note, not_found)
   assert not report.compiled_only, report.compiled_only  # nothing compiled that is not audited
   kinds = {r.call_kind for r in report.rows}
+  fp8 = mpjax.get_policy(config.policy).fp8 is not None
   if gemm_backend == "triton":
     assert kinds <= {"triton_gemm", "cudnn"}
   else:
-    assert kinds <= {"cublas_lt", "cudnn"}
-  if mpjax.get_policy(config.policy).is_mixed:
+    assert kinds <= {"cublas_lt", "cudnn"} | ({"cublas_lt_f8"} if fp8 else set())
+  if fp8 and gemm_backend == "cublaslt":  # every GEMM the recipe puts in FP8 is an FP8 call
+    fp8_rows = [r for r in report.rows if "f8" in r.dtypes]
+    assert fp8_rows and {r.call_kind for r in fp8_rows} == {"cublas_lt_f8"}
+    assert "FP8 cuBLASLt calls" in report.to_markdown()
+  if mpjax.get_policy(config.policy).is_mixed and not (fp8 and gemm_backend == "triton"):
     assert report.fast_path_share == 1.0, [(r.path, [f.code for f in r.flags]) for r in report.rows]
 
 
