@@ -701,7 +701,9 @@ def _walk(
     elif name in _DEQUANTIZE_PATH and any(v in fp8_of for v in invars):
       fp8_of[eqn.outvars[0]] = next(fp8_of[v] for v in invars if v in fp8_of)
     elif name == "optimization_barrier":  # the CPU lowering's layout barrier
-      fp8_of.update({o: fp8_of[i] for i, o in zip(invars, eqn.outvars) if i in fp8_of})
+      for i, o in zip(eqn.invars, eqn.outvars, strict=True):
+        if not isinstance(i, jcore.Literal) and i in fp8_of:
+          fp8_of[o] = fp8_of[i]
     if name in _GEMM_PRIMITIVES:
       rows.append(_row(eqn, path, count, note, fp8_of))
       continue

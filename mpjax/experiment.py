@@ -788,25 +788,25 @@ def _table(
   results: dict[str, dict[str, Any]],
   spreads: dict[str, float],
 ) -> str:
-  base = results.get("fp32")
+  # The reference: fp32 when it ran, else the first policy (mixed_bf16 for an FP8 compare).
+  ref = "fp32" if "fp32" in results else next(iter(results))
+  base = results[ref]
   unit = next(iter(results.values()))["examples_unit"] + "/s"
   rows = [
-    f"| policy | ms/step | speedup vs fp32 | {unit} | step memory (MiB) | memory vs fp32 "
-    "| last train loss | test loss | test loss vs fp32 | test accuracy | accuracy vs fp32 (pp) "
+    f"| policy | ms/step | speedup vs {ref} | {unit} | step memory (MiB) | memory vs {ref} "
+    f"| last train loss | test loss | test loss vs {ref} | test accuracy | accuracy vs {ref} (pp) "
     "| skipped steps |",
     "|---|---|---|---|---|---|---|---|---|---|---|---|",
   ]
   for name, r in results.items():
 
     def rel(key, r=r, fmt="{:.3f}x"):
-      if base is None or not base[key] or not math.isfinite(base[key]):
+      if not base[key] or not math.isfinite(base[key]):
         return "-"
       return fmt.format(r[key] / base[key])
 
-    accuracy_diff = (
-      "-" if base is None else f"{100 * (r['test_accuracy'] - base['test_accuracy']):+.2f}"
-    )
-    loss_diff = "-" if base is None else f"{100 * (r['test_loss'] / base['test_loss'] - 1):+.2f}%"
+    accuracy_diff = f"{100 * (r['test_accuracy'] - base['test_accuracy']):+.2f}"
+    loss_diff = f"{100 * (r['test_loss'] / base['test_loss'] - 1):+.2f}%"
     spread = spreads.get(name, float("nan"))
     noise = f" ±{100 * spread:.0f}%" if math.isfinite(spread) else ""
     rows.append(

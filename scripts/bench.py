@@ -250,8 +250,13 @@ def _keras_variant(name: str, sizes: dict, batch: Any, loss: Callable) -> tuple 
   return jax.jit(step, donate_argnums=0), init, loss_of, trainable
 
 
-def _variants(name: str, small: bool, keras: bool) -> tuple[dict[str, tuple], Any]:
-  """(label -> (step, init_state, loss_of_params for residuals, its params), batch)."""
+def _variants(
+  name: str, small: bool, keras: bool, fp8: bool = False
+) -> tuple[dict[str, tuple], Any]:
+  """(label -> (step, init_state, loss_of_params for residuals, its params), batch).
+
+  ``fp8`` adds ``mpjax mixed_fp8 autocast`` (for GPU targets: XLA:CPU emulates FP8).
+  """
   make_model, batch, loss, sizes = _workload(name, small)
   tx = optax.adam(1e-4)
   f32_model = make_model(None)
@@ -301,6 +306,8 @@ def _variants(name: str, small: bool, keras: bool) -> tuple[dict[str, tuple], An
     "flax dtype=bf16": plain(make_model(jnp.bfloat16)),
     "jmp cast": plain(f32_model, jmp_policy.cast_to_compute),
   }
+  if fp8:
+    variants["mpjax mixed_fp8 autocast"] = with_mpjax("mixed_fp8")
   if keras:
     peer = _keras_variant(name, sizes, batch, loss)
     if peer is not None:
@@ -374,12 +381,32 @@ def bench(
 
 
 def gpu_compile(name: str, target: str, small: bool = False) -> dict[str, Any]:
-  """Each variant's train step compiled for a GPU target here (no GPU): its kernel report."""
-  variants, batch = _variants(name, small, keras=False)
-  return {
-    label: mpjax.kernel_report(step, jax.eval_shape(init), batch, target=target)
-    for label, (step, init, _, _) in variants.items()
-  }
+  """Each variant's train step compiled for a GPU target here (no GPU): its kernel report.
+
+  With the GPU variants: ``mpjax mixed_fp8 autocast`` (its FP8 state made
+  first, as a training run makes it).
+  """
+  variants, batch = _variants(name, small, keras=False, fp8=True)
+  reports = {}
+  for label, (step, init, _, _) in variants.items():
+    state = jax.eval_shape(init)
+    if isinstance(state, mpjax.TrainState):
+      state = mpjax.init_fp8_state(step, state, batch)
+    reports[label] = mpjax.kernel_report(step, state, batch, target=target)
+  return reports
+
+
+def fp8_against_bf16(reports: dict[str, Any]) -> str:
+  """How the FP8 step compares with the bf16 one on the target: kernels, bytes, estimated time."""
+  fp8, bf16 = reports["mpjax mixed_fp8 autocast"], reports["mpjax mixed_bf16 autocast"]
+  f8_gemms = fp8.calls.get("cublas_lt_f8", 0)
+  return (
+    f"mixed_fp8 / mixed_bf16 on {fp8.target.name}: kernels {fp8.count / bf16.count:.2f}x, bytes "
+    f"moved {fp8.bytes_moved / bf16.bytes_moved:.2f}x, estimated step time "
+    f"{fp8.estimated_seconds / bf16.estimated_seconds:.2f}x (FP8 GEMMs at "
+    f"{fp8.target.fp8_tflops:g} TFLOP/s, bf16 at {fp8.target.bf16_tflops:g}); {f8_gemms} of "
+    f"{sum(fp8.calls.values())} GEMMs are FP8 cuBLASLt calls."
+  )
 
 
 def ceiling(rounds: int, small: bool = False) -> dict[str, dict[str, float]]:
@@ -478,7 +505,8 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, dict[str, float]]
     for name in args.models.split(","):
       reports = gpu_compile(name, args.target, args.small)
       record[name] = {label: r.to_dict() for label, r in reports.items()}
-      tables.append(f"**{name} on {args.target}**\n\n{kernel_table(reports)}")
+      fp8_line = fp8_against_bf16(reports) if mpjax.get_target(args.target).fp8_tflops else ""
+      tables.append(f"**{name} on {args.target}**\n\n{kernel_table(reports)}\n\n{fp8_line}")
       print(tables[-1], end="\n\n", flush=True)
     if args.json:
       with open(args.json, "w") as f:
