@@ -366,6 +366,29 @@ def test_amax_compute_algo_max_and_most_recent():
     assert float(with_max.scale[0]) > 4 * float(with_recent.scale[0])
 
 
+def test_delayed_scale_from_history_saturates_a_jump_in_amax():
+  # Learning rate 0: both runs see the same params. Step 2's inputs are 8x step 1's, so delayed
+  # scaling (scale from step 1's amax) clips the FP8 layers' inputs at step 1's amax, where
+  # current scaling (scale from the amax now) does not.
+  batches = [_batch(), _batch(gain=8.0)]
+  losses = {}
+  for scaling in ("delayed", "current"):
+    state = _state(_policy(scaling=scaling), tx=optax.sgd(0.0))
+    step = jax.jit(mpjax.make_train_step(loss_fn))
+    losses[scaling] = []
+    for batch in batches:
+      state, metrics = step(state, batch)
+      losses[scaling].append(float(metrics["loss"]))
+    if scaling == "delayed":
+      hist = np.asarray(state.fp8[0].amax_history)
+      assert hist[0, 0] > 4 * hist[1, 0]  # premise: the input amax jumped past its scale
+      assert float(state.fp8[0].scale[0]) == pytest.approx(hist[1, 0] / 448.0, rel=1e-6)
+  delayed, current = losses["delayed"], losses["current"]
+  print(losses)
+  assert delayed[0] == pytest.approx(current[0], rel=0.05)  # step 1: both about right
+  assert delayed[1] < 0.5 * current[1]  # step 2: clipped activations, a much smaller output
+
+
 # --- 6. a skipped step ---------------------------------------------------------------------------
 
 
@@ -456,6 +479,17 @@ def test_keep_bf16_chooses_the_fp8_gemms():
   assert _fp8_count(_policy(keep_bf16=("first",))) == N_DENSE - 1
   assert _fp8_count(_policy(keep_bf16=("first", "last", "*Dense_2*"))) == N_DENSE - 3
   assert _fp8_count(_policy(keep_bf16=("first", "last", "*Nope*"))) == N_DENSE - 2
+  # GEMMs of two computed values (attention scores, weighted values) are not FP8 GEMMs.
+  def attention(p, x):
+    q, k, v = x @ p["q"], x @ p["k"], x @ p["v"]
+    return jax.nn.softmax(q @ k.T) @ v
+
+  w = {n: jnp.full((D_IN, 8), 0.1) for n in "qkv"}
+  attn = mpjax.TrainState.create(
+    apply_fn=attention, params=w, tx=optax.sgd(0.1), policy=_policy(keep_bf16=())
+  )
+  step = mpjax.make_train_step(lambda p, b: jnp.mean(attention(p, b["x"]) ** 2))
+  assert len(mpjax.init_fp8_state(step, attn, _batch()).fp8) == 3
   # The glob kept Dense_2 itself: the kernel column of each state names its layer.
   state, batch = _state(_policy(keep_bf16=("*Dense_2*",))), _batch()
   s1, _ = jax.jit(mpjax.make_train_step(loss_fn))(state, batch)
