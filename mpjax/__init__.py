@@ -13,8 +13,8 @@ from mpjax.data import Dataset as Dataset
 from mpjax.data import load_dataset as load_dataset
 from mpjax.flax_policy import linen_kwargs as linen_kwargs
 from mpjax.flax_policy import nnx_apply_policy as nnx_apply_policy
-from mpjax.fp8 import Fp8Meta as Fp8Meta
 from mpjax.fp8 import Fp8Recipe as Fp8Recipe
+from mpjax.fp8 import Fp8State as Fp8State
 from mpjax.gemm import mixed_dot_general as mixed_dot_general
 from mpjax.gpu import TARGETS as TARGETS
 from mpjax.gpu import GpuTarget as GpuTarget
@@ -55,8 +55,8 @@ __all__ = [
   "autocast",
   "autocast_report",
   "DynamicLossScale",
-  "Fp8Meta",
   "Fp8Recipe",
+  "Fp8State",
   "LossScale",
   "NoOpLossScale",
   "POLICY_ENV_VAR",

@@ -54,7 +54,7 @@ from jax.extend import core as jcore
 
 from mpjax._backend import lowering_platform
 from mpjax._dtypes import is_castable_dtype as _castable
-from mpjax.fp8 import Fp8Meta, Fp8Recipe, fp8_dot
+from mpjax.fp8 import Fp8Recipe, fp8_dot
 from mpjax.gemm import SAVED as _SAVED
 from mpjax.gemm import mixed_conv, mixed_dot, mixed_ragged_dot
 from mpjax.policy import Policy, get_policy
@@ -217,38 +217,41 @@ class _Fp8Gemm:
 
 @dataclasses.dataclass
 class _Fp8Run:
-  """The FP8 GEMMs of one evaluation: which run in FP8, and the delayed-scaling state they read.
+  """The FP8 GEMMs of one evaluation: which run in FP8, and the delayed scales they read.
 
   ``plan`` is ``None`` while a first evaluation finds the eligible GEMMs
   (``found``); then ``plan[i]`` says whether the ``i``-th runs in FP8.
-  ``metas`` holds one :class:`Fp8Meta` per FP8 GEMM with delayed state, in
-  order; ``None`` runs every FP8 GEMM with current scaling.
+  ``scales`` is the ``(gemms, 3)`` array of :func:`mpjax.fp8.delayed_scales`,
+  a row for each FP8 GEMM under ``recipe`` with delayed scaling, in order;
+  ``None`` runs every FP8 GEMM with current scaling.
   """
 
   plan: tuple[bool, ...] | None
-  metas: Sequence[Fp8Meta] | None = None
+  recipe: Fp8Recipe | None = None
+  scales: jax.Array | None = None
   found: list[_Fp8Gemm] = dataclasses.field(default_factory=list)
   used: int = 0
 
-  def next(self, gemm: _Fp8Gemm) -> tuple[bool, Fp8Meta | None]:
-    """Whether the next eligible GEMM runs in FP8, and the state it reads (None: current)."""
+  def delayed(self, gemm: _Fp8Gemm) -> bool:
+    """Whether an FP8 GEMM keeps delayed state: outside loops, under the state's recipe."""
+    return not gemm.stateless and gemm.recipe == self.recipe and gemm.recipe.scaling == "delayed"
+
+  def next(self, gemm: _Fp8Gemm) -> tuple[bool, jax.Array | None]:
+    """Whether the next eligible GEMM runs in FP8, and its scales (None: current scaling)."""
     index = len(self.found)
     self.found.append(gemm)
-    if self.plan is None:
+    if self.plan is None or index >= len(self.plan) or not self.plan[index]:
       return False, None
-    if index >= len(self.plan) or not self.plan[index]:
-      return False, None
-    if gemm.stateless or gemm.recipe.scaling == "current" or self.metas is None:
+    if self.scales is None or not self.delayed(gemm):
       return True, None
-    if self.used >= len(self.metas):
+    if self.used >= self.scales.shape[0]:
       raise ValueError(
-        f"FP8 state: the train state holds {len(self.metas)} FP8 GEMM states but the loss "
-        "function has more FP8 GEMMs; was the state made for another model? Start from "
+        f"FP8 state: the train state holds the state of {self.scales.shape[0]} FP8 GEMMs but "
+        "the loss function has more; was the state made for another model? Start from "
         "TrainState.create (its first step makes the state), or mpjax.init_fp8_state."
       )
-    meta = self.metas[self.used]
     self.used += 1
-    return True, meta
+    return True, self.scales[self.used - 1]
 
 
 def _fp8_plan(found: Sequence[_Fp8Gemm]) -> tuple[bool, ...]:
@@ -370,8 +373,8 @@ def _explicit(eqn: Any) -> bool:
 
 def _fp8_gemm(
   ctx: _Ctx, eqn: Any, kinds: Sequence[int], path: str, policy: Policy
-) -> tuple[Fp8Recipe | None, Fp8Meta | None]:
-  """The recipe (``None``: not in FP8) and delayed state of a GEMM autocast lowers.
+) -> tuple[Fp8Recipe | None, jax.Array | None]:
+  """The recipe (``None``: not in FP8) and delayed scales of a GEMM autocast lowers.
 
   FP8-eligible: a ``dot_general`` of which an operand is an input of the
   function (a layer's weight, or the model's input), outside ``custom_jvp``
@@ -385,8 +388,8 @@ def _fp8_gemm(
     or _INPUT not in kinds[:2]
   ):
     return None, None
-  in_fp8, meta = ctx.fp8.next(_Fp8Gemm(path, policy.fp8, ctx.stateless))
-  return (policy.fp8 if in_fp8 else None), meta
+  in_fp8, scales = ctx.fp8.next(_Fp8Gemm(path, policy.fp8, ctx.stateless))
+  return (policy.fp8 if in_fp8 else None), scales
 
 
 def _lower(
@@ -395,7 +398,7 @@ def _lower(
   invals: list[Any],
   kinds: list[int],
   compute: np.dtype,
-  fp8: tuple[Fp8Recipe | None, Fp8Meta | None] = (None, None),
+  fp8: tuple[Fp8Recipe | None, jax.Array | None] = (None, None),
 ):
   """A GEMM or convolution with compute-dtype operands and f32 accumulation (or FP8 ones)."""
   # Computed operands come cast already (see _eval_jaxpr), so that the backward
@@ -408,9 +411,9 @@ def _lower(
   if eqn.primitive.name == "dot_general":
     (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
     dims = ((tuple(lc), tuple(rc)), (tuple(lb), tuple(rb)))
-    recipe, meta = fp8
+    recipe, scales = fp8
     if recipe is not None:
-      out = fp8_dot(ops[0], ops[1], meta, dims, recipe, compute, eqn.params.get("out_sharding"))
+      out = fp8_dot(ops[0], ops[1], scales, dims, recipe, compute, eqn.params.get("out_sharding"))
     else:
       dot = mixed_dot.fun if ctx.linear else mixed_dot
       out = dot(ops[0], ops[1], dims, compute, eqn.params.get("out_sharding"))
@@ -437,7 +440,7 @@ def _run_class(
   invals: list[Any],
   kinds: list[int],
   compute: np.dtype,
-  fp8: tuple[Fp8Recipe | None, Fp8Meta | None] = (None, None),
+  fp8: tuple[Fp8Recipe | None, jax.Array | None] = (None, None),
 ) -> list[Any]:
   if cls == "lower" and not _explicit(eqn):
     return _lower(ctx, eqn, invals, kinds, compute, fp8)
@@ -816,12 +819,12 @@ def _run(
   args: tuple,
   kwargs: dict,
   cache: OrderedDict,
-  fp8_metas: Sequence[Fp8Meta] | None = None,
+  fp8_scales: jax.Array | None = None,
   count_fp8: bool = False,
 ) -> Any:
-  """``fn(*args, **kwargs)`` under autocast; its FP8 GEMMs read ``fp8_metas`` (delayed scaling).
+  """``fn(*args, **kwargs)`` under autocast; its FP8 GEMMs read ``fp8_scales`` (delayed scaling).
 
-  With ``count_fp8``, returns instead the FP8 GEMMs with delayed state, in order.
+  With ``count_fp8``, returns instead how many FP8 GEMMs keep delayed state.
   """
   leaves, treedef = jax.tree.flatten((args, kwargs))
   dynamic = [i for i, x in enumerate(leaves) if _is_array(x)]
@@ -845,20 +848,17 @@ def _run(
       learnt["fp8"] = (_fp8_plan(found.found), tuple(found.found))
     plan, found = learnt["fp8"]
     if count_fp8:
-      return [
-        g
-        for g, in_fp8 in zip(found, plan, strict=True)
-        if in_fp8 and not g.stateless and g.recipe.scaling == "delayed"
-      ]
+      delayed = _Fp8Run(plan, ctx.policy.fp8).delayed
+      return sum(in_fp8 and delayed(g) for g, in_fp8 in zip(found, plan, strict=True))
   elif count_fp8:
-    return []
+    return 0
 
-  def run(metas, *xs):
-    return evaluate(xs, None if plan is None else _Fp8Run(plan, metas))
+  def run(scales, *xs):
+    return evaluate(xs, None if plan is None else _Fp8Run(plan, ctx.policy.fp8, scales))
 
   if remat:
     run = jax.checkpoint(run, policy=_saved_for_backward)
-  outs = run(fp8_metas, *arrays)
+  outs = run(fp8_scales, *arrays)
   out_dtype = np.dtype(ctx.policy.output_dtype)
   outs = [_cast(x, out_dtype) if f else x for x, f in zip(outs, floating, strict=True)]
   return jax.tree.unflatten(out_tree, outs)
@@ -962,39 +962,39 @@ def autocast(
   return wrapped
 
 
-def autocast_with_fp8_state(
+def autocast_with_fp8_scales(
   fn: Callable[..., Any], policy: Policy, *, rules: Mapping[str, str] | None = None
 ) -> Callable[..., Any]:
-  """:func:`autocast` whose FP8 GEMMs take delayed-scaling state: ``f(metas, *args, **kw)``.
+  """:func:`autocast` whose delayed-scaling FP8 GEMMs read scales: ``f(scales, *args, **kw)``.
 
-  ``metas`` is one :class:`mpjax.Fp8Meta` per GEMM :func:`fp8_state_for`
-  lists, in its order; differentiated with respect to ``metas``, the result's
-  gradient is each GEMM's next state (see :func:`mpjax.fp8.next_meta`).
+  ``scales`` is ``(gemms, 3)``, a row per GEMM :func:`count_delayed_fp8_gemms`
+  counts, in program order (:func:`mpjax.fp8.delayed_scales`). Differentiated
+  with respect to ``scales``, the result's gradient is each GEMM's amaxes of
+  this step (see :func:`mpjax.fp8.fp8_dot`).
   """
   ctx = _Ctx(*_check(fn, policy, rules, "full"), "full", None)
   cache: OrderedDict = OrderedDict()
 
-  def wrapped(metas: Sequence[Fp8Meta], *args: Any, **kwargs: Any) -> Any:
-    return _run(ctx, fn, args, kwargs, cache, fp8_metas=metas)
+  def wrapped(scales: jax.Array | None, *args: Any, **kwargs: Any) -> Any:
+    return _run(ctx, fn, args, kwargs, cache, fp8_scales=scales)
 
   return wrapped
 
 
-def fp8_state_for(
+def count_delayed_fp8_gemms(
   fn: Callable[..., Any],
   policy: Policy,
   *args: Any,
   rules: Mapping[str, str] | None = None,
   **kwargs: Any,
-) -> tuple[Fp8Meta, ...]:
-  """The initial delayed-scaling state of ``fn``'s FP8 GEMMs, one :class:`Fp8Meta` each.
+) -> int:
+  """How many of ``fn``'s GEMMs run in FP8 with delayed scaling under ``policy``'s recipe.
 
-  Empty for a policy without FP8 or with current scaling. Traces ``fn``
-  (shapes only; nothing runs).
+  0 for a policy without FP8 or with current scaling. Traces ``fn`` (shapes
+  only; nothing runs).
   """
   ctx = _Ctx(*_check(fn, policy, rules, "full"), "full", None)
-  gemms = _run(ctx, fn, args, kwargs, OrderedDict(), count_fp8=True)
-  return tuple(Fp8Meta.initial(g.recipe) for g in gemms)
+  return _run(ctx, fn, args, kwargs, OrderedDict(), count_fp8=True)
 
 
 @dataclasses.dataclass(frozen=True)

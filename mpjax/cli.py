@@ -28,6 +28,7 @@ import jax
 
 from mpjax.experiment import ConfigError, Experiment, compare, load_config, train
 from mpjax.policy import POLICY_ENV_VAR
+from mpjax.train_step import init_fp8_state
 
 if TYPE_CHECKING:
   from mpjax.audit import AuditReport
@@ -132,9 +133,10 @@ def _print_summary(summary: dict) -> None:
 
 def _step_and_args(config: Any) -> tuple[Any, Any, Any]:
   exp = Experiment(config)
-  state = exp.init_state()
+  step = exp.make_step()
   batch = exp.put_batch(exp.dataset.batch(0, config.batch_size, config.seed))
-  return exp.make_step(), state, batch
+  # As a run has it: an FP8 policy's delayed-scaling state made before the first step.
+  return step, init_fp8_state(step, exp.init_state(), batch), batch
 
 
 def doctor_report(

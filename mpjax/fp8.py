@@ -31,7 +31,7 @@ from flax import struct
 from mpjax._backend import lowering_platform
 from mpjax.gemm import backward_gemms, forward_gemm
 
-__all__ = ["Fp8Recipe", "Fp8Meta", "FP8_FORMATS"]
+__all__ = ["Fp8Recipe", "Fp8State", "FP8_FORMATS"]
 
 FP8_FORMATS: dict[str, Any] = {"e4m3": jnp.float8_e4m3fn, "e5m2": jnp.float8_e5m2}
 """The FP8 formats a recipe names, and their dtypes (E4M3 without infinities, as on H100)."""
@@ -40,7 +40,7 @@ SCALINGS = ("delayed", "current")
 AMAX_COMPUTE_ALGOS = ("max", "most_recent")
 _POSITIONS = ("first", "last")
 
-# The order of a GEMM's three tensors in its Fp8Meta.
+# The order of a GEMM's three tensors in the columns of an Fp8State.
 LHS, RHS, GRAD = 0, 1, 2
 
 
@@ -148,37 +148,43 @@ class Fp8Recipe:
     return np.dtype(FP8_FORMATS[self.bwd_format])
 
 
-class Fp8Meta(struct.PyTreeNode):
-  """The delayed-scaling state of one FP8 GEMM: the scales and amax histories of its tensors.
+class Fp8State(struct.PyTreeNode):
+  """The delayed-scaling state of a function's FP8 GEMMs: scales and amax histories.
 
-  The three columns are the GEMM's left operand, right operand and output
-  gradient, in that order. The train state keeps one per FP8 GEMM
-  (``TrainState.fp8``); the step replaces it with the scales it used and the
-  histories with this step's amaxes in front.
+  Row ``i`` belongs to the ``i``-th FP8 GEMM with delayed scaling in program
+  order; its three columns to the GEMM's left operand, right operand and output
+  gradient. The train state keeps one (``TrainState.fp8``); each step scales
+  every tensor from the history, then pushes the step's amaxes, all GEMMs at
+  once (a handful of small kernels per step, not per GEMM).
 
   Attributes:
-    scale: f32 ``(3,)``: the dequantization scale of each tensor (a value
-      ``x`` is stored as ``x / scale`` in FP8).
-    amax_history: f32 ``(amax_history_len, 3)``: row 0 holds the latest
+    scale: f32 ``(gemms, 3)``: the dequantization scale each tensor used last
+      (a value ``x`` is stored as ``x / scale`` in FP8).
+    amax_history: f32 ``(amax_history_len, gemms, 3)``: row 0 holds the latest
       step's amaxes, row ``i`` those of ``i`` steps before.
 
   Example:
     >>> import mpjax
-    >>> meta = mpjax.Fp8Meta.initial(mpjax.Fp8Recipe(amax_history_len=16))
-    >>> meta.scale.tolist(), meta.amax_history.shape
-    ([1.0, 1.0, 1.0], (16, 3))
+    >>> state = mpjax.Fp8State.initial(mpjax.Fp8Recipe(amax_history_len=16), gemms=2)
+    >>> state.scale.tolist(), state.amax_history.shape
+    ([[1.0, 1.0, 1.0], [1.0, 1.0, 1.0]], (16, 2, 3))
   """
 
   scale: jax.Array
   amax_history: jax.Array
 
   @classmethod
-  def initial(cls, recipe: Fp8Recipe) -> Fp8Meta:
+  def initial(cls, recipe: Fp8Recipe, gemms: int) -> Fp8State:
     """Scales of 1 and an empty (all-zero) history, as Transformer Engine starts."""
     return cls(
-      scale=jnp.ones((3,), jnp.float32),
-      amax_history=jnp.zeros((recipe.amax_history_len, 3), jnp.float32),
+      scale=jnp.ones((gemms, 3), jnp.float32),
+      amax_history=jnp.zeros((recipe.amax_history_len, gemms, 3), jnp.float32),
     )
+
+  @property
+  def gemms(self) -> int:
+    """How many FP8 GEMMs the state is for."""
+    return self.scale.shape[0]
 
 
 def fp8_max(dtype: Any) -> float:
@@ -191,6 +197,12 @@ def amax(x: jax.Array) -> jax.Array:
   return jnp.max(jnp.abs(x)).astype(jnp.float32)
 
 
+def _scale_for(amax_value: jax.Array, scale: jax.Array, fmax: Any, margin: int) -> jax.Array:
+  new = amax_value * (2.0**margin / jnp.asarray(fmax, jnp.float32))
+  ok = jnp.isfinite(amax_value) & (amax_value > 0) & (new > 0)
+  return jnp.where(ok, new, scale).astype(jnp.float32)
+
+
 def compute_scale(
   amax_value: jax.Array, scale: jax.Array, dtype: Any, margin: int = 0
 ) -> jax.Array:
@@ -199,18 +211,19 @@ def compute_scale(
   ``amax * 2**margin / max``; where ``amax`` is zero or not finite the old
   ``scale`` is kept, so a scale is never zero, inf or NaN.
   """
-  new = amax_value * (2.0**margin / fp8_max(dtype))
-  ok = jnp.isfinite(amax_value) & (amax_value > 0) & (new > 0)
-  return jnp.where(ok, new, scale).astype(jnp.float32)
+  return _scale_for(amax_value, scale, fp8_max(dtype), margin)
 
 
 def quantize(x: jax.Array, dtype: Any, scale: jax.Array) -> jax.Array:
-  """``x / scale`` in the FP8 ``dtype``, saturating: a value beyond its range becomes its max.
+  """``x * (1 / scale)`` in the FP8 ``dtype``, saturating: beyond its range becomes its max.
 
-  The division runs in f32; NaN stays NaN.
+  In f32, with the reciprocal taken once (what XLA makes of a division by a
+  scalar on some backends, written out so that every backend rounds alike);
+  NaN stays NaN.
   """
   big = fp8_max(dtype)
-  return jnp.clip(x.astype(jnp.float32) / scale, -big, big).astype(dtype)
+  inverse = 1.0 / scale.astype(jnp.float32)
+  return jnp.clip(x.astype(jnp.float32) * inverse, -big, big).astype(dtype)
 
 
 def dequantize(q: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:
@@ -233,80 +246,79 @@ def push_amax(history: jax.Array, amaxes: jax.Array) -> jax.Array:
   return jnp.concatenate([amaxes[None], history[:-1]], axis=0)
 
 
-def _scale(meta: Fp8Meta | None, col: int, now: jax.Array, dtype: Any, recipe: Fp8Recipe):
-  """The scale of the GEMM's tensor ``col`` this step: from its amax ``now`` or its history."""
-  if meta is None:  # current scaling
-    return compute_scale(now, jnp.float32(1.0), dtype, recipe.margin)
-  source = history_amax(meta.amax_history, recipe.amax_compute_algo)[col]
-  return compute_scale(source, meta.scale[col], dtype, recipe.margin)
+def delayed_scales(state: Fp8State, recipe: Fp8Recipe) -> jax.Array:
+  """The ``(gemms, 3)`` scales this step uses: each tensor's from its history.
+
+  Where the history holds no amax yet (all zero) the last scale is kept.
+  """
+  fmax = [fp8_max(recipe.fwd_dtype)] * 2 + [fp8_max(recipe.bwd_dtype)]
+  source = history_amax(state.amax_history, recipe.amax_compute_algo)
+  return _scale_for(source, state.scale, fmax, recipe.margin)
+
+
+def advance(state: Fp8State, scales: jax.Array, amaxes: jax.Array) -> Fp8State:
+  """The state after a step that used ``scales`` and saw ``amaxes`` (both ``(gemms, 3)``)."""
+  return Fp8State(scale=scales, amax_history=push_amax(state.amax_history, amaxes))
+
+
+def _current(x: jax.Array, dtype: Any, recipe: Fp8Recipe) -> jax.Array:
+  return compute_scale(amax(x), jnp.float32(1.0), dtype, recipe.margin)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def fp8_dot(lhs, rhs, meta, dimension_numbers, recipe, compute_dtype, out_sharding=None):
+def fp8_dot(lhs, rhs, scales, dimension_numbers, recipe, compute_dtype, out_sharding=None):
   """``dot_general`` with FP8 operands forward and an FP8 output gradient backward.
 
-  ``meta`` is the GEMM's :class:`Fp8Meta` (delayed scaling) or ``None``
-  (current scaling). Under differentiation, the cotangent returned for
-  ``meta`` is its next value (the scales used and the history with this
-  step's amaxes), which the train step takes in place of the old one, as
-  Flax's "overwrite with gradient" variables do. The result is in
-  ``compute_dtype``; the gradients in each operand's own dtype.
+  ``scales`` is the GEMM's ``(3,)`` row of :func:`delayed_scales` (delayed
+  scaling) or ``None`` (current scaling: each tensor's own amax now). Under
+  differentiation, the cotangent returned for ``scales`` is this step's
+  ``(3,)`` amaxes of the left operand, the right operand and the output
+  gradient, which the train step pushes into the history (Flax's "overwrite
+  with gradient" trick). The result is in ``compute_dtype``; the gradients in
+  each operand's own dtype.
   """
-  return _fp8_dot_fwd(lhs, rhs, meta, dimension_numbers, recipe, compute_dtype, out_sharding)[0]
+  return _fp8_dot_fwd(lhs, rhs, scales, dimension_numbers, recipe, compute_dtype, out_sharding)[0]
 
 
-def _fp8_dot_fwd(lhs, rhs, meta, dimension_numbers, recipe, compute_dtype, out_sharding):
+def _fp8_dot_fwd(lhs, rhs, scales, dimension_numbers, recipe, compute_dtype, out_sharding):
   fwd = recipe.fwd_dtype
-  amaxes = jnp.stack([amax(lhs), amax(rhs)])
-  s_lhs = _scale(meta, LHS, amaxes[LHS], fwd, recipe)
-  s_rhs = _scale(meta, RHS, amaxes[RHS], fwd, recipe)
+  if scales is None:
+    s_lhs, s_rhs = _current(lhs, fwd, recipe), _current(rhs, fwd, recipe)
+  else:
+    s_lhs, s_rhs = scales[LHS], scales[RHS]
   q_lhs, q_rhs = quantize(lhs, fwd, s_lhs), quantize(rhs, fwd, s_rhs)
-  platform = lowering_platform(lhs, rhs)
   out = forward_gemm(
     dequantize(q_lhs, s_lhs, compute_dtype),
     dequantize(q_rhs, s_rhs, compute_dtype),
     dimension_numbers,
     compute_dtype,
     out_sharding,
-    platform,
+    lowering_platform(lhs, rhs),
   )
-  # The backward GEMMs read the FP8 operands (1 byte each) and their scales.
+  # The backward GEMMs read the FP8 operands (1 byte each) and their scales;
+  # delayed scaling reports the operands' amaxes there.
+  amaxes = None if scales is None else jnp.stack([amax(lhs), amax(rhs)])
   dtypes = (jnp.zeros((0,), lhs.dtype), jnp.zeros((0,), rhs.dtype))
-  return out, (q_lhs, q_rhs, jnp.stack([s_lhs, s_rhs]), amaxes, meta, *dtypes)
+  residuals = (q_lhs, q_rhs, jnp.stack([s_lhs, s_rhs]), amaxes, scales, *dtypes)
+  return out, residuals
 
 
 def _fp8_dot_bwd(dimension_numbers, recipe, compute_dtype, out_sharding, residuals, g):
-  q_lhs, q_rhs, scales, amaxes, meta, lhs_dtype, rhs_dtype = residuals
-  g_amax = amax(g)
-  s_g = _scale(meta, GRAD, g_amax, recipe.bwd_dtype, recipe)
-  q_g = quantize(g, recipe.bwd_dtype, s_g)
+  q_lhs, q_rhs, used, amaxes, scales, lhs_dtype, rhs_dtype = residuals
+  bwd = recipe.bwd_dtype
+  s_g = _current(g, bwd, recipe) if scales is None else scales[GRAD]
+  q_g = quantize(g, bwd, s_g)
   d_lhs, d_rhs = backward_gemms(
     dequantize(q_g, s_g, compute_dtype),
-    dequantize(q_lhs, scales[LHS], compute_dtype),
-    dequantize(q_rhs, scales[RHS], compute_dtype),
+    dequantize(q_lhs, used[LHS], compute_dtype),
+    dequantize(q_rhs, used[RHS], compute_dtype),
     dimension_numbers,
     lhs_dtype.dtype,
     rhs_dtype.dtype,
     lowering_platform(q_lhs, q_rhs),
   )
-  new_meta = None
-  if meta is not None:
-    new_meta = Fp8Meta(
-      scale=jnp.concatenate([scales, s_g[None]]),
-      amax_history=push_amax(meta.amax_history, jnp.concatenate([amaxes, g_amax[None]])),
-    )
-  return d_lhs, d_rhs, new_meta
+  seen = None if scales is None else jnp.concatenate([amaxes, amax(g)[None]])
+  return d_lhs, d_rhs, seen
 
 
 fp8_dot.defvjp(_fp8_dot_fwd, _fp8_dot_bwd)
-
-
-def next_meta(returned: Fp8Meta, old: Fp8Meta) -> Fp8Meta:
-  """The state after a step: ``returned`` (the cotangent :func:`fp8_dot` gave ``meta``).
-
-  A GEMM whose backward pass did not run (a ``cond`` branch not taken, a
-  result nothing used) returns a zero cotangent; its scales would be 0, and
-  the old state is kept instead.
-  """
-  ran = jnp.all(returned.scale > 0)
-  return jax.tree.map(lambda new, prev: jnp.where(ran, new, prev), returned, old)

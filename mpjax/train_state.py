@@ -11,7 +11,7 @@ import optax
 from flax import struct
 
 from mpjax._dtypes import cast_floating, is_floating
-from mpjax.fp8 import Fp8Meta
+from mpjax.fp8 import Fp8State
 from mpjax.loss_scale import DynamicLossScale, LossScale, NoOpLossScale
 from mpjax.policy import Policy, get_policy
 
@@ -44,10 +44,11 @@ class TrainState(struct.PyTreeNode):
       statistics (Flax's ``batch_stats``): kept in f32, updated by the loss
       function (see ``make_train_step(..., with_model_state=True)``), never by
       the optimizer. An empty dict for models without any.
-    fp8: for an FP8 policy with delayed scaling, one :class:`mpjax.Fp8Meta`
-      per FP8 GEMM (scales and amax histories). Empty at creation: the first
-      step makes it (or :func:`mpjax.init_fp8_state`), each step moves it on,
-      a skipped step leaves it.
+    fp8: for an FP8 policy with delayed scaling, an :class:`mpjax.Fp8State`
+      (the scales and amax histories of every FP8 GEMM); ``None`` otherwise,
+      and at creation: the first step makes it (or
+      :func:`mpjax.init_fp8_state`), each step moves it on, a skipped step
+      leaves it.
     apply_fn: the model's apply function (static), e.g. ``model.apply``.
     tx: the optax optimizer (static).
     policy: the precision :class:`Policy` (static: a new policy is a new
@@ -70,7 +71,7 @@ class TrainState(struct.PyTreeNode):
   loss_scale: LossScale
   skipped_steps: jax.Array
   model_state: Any
-  fp8: tuple[Fp8Meta, ...]
+  fp8: Fp8State | None
   apply_fn: Callable[..., Any] = struct.field(pytree_node=False)
   tx: optax.GradientTransformation = struct.field(pytree_node=False)
   policy: Policy = struct.field(pytree_node=False)
@@ -142,7 +143,7 @@ class TrainState(struct.PyTreeNode):
       loss_scale=loss_scale,
       skipped_steps=jnp.zeros((), jnp.int32),
       model_state=model_state,
-      fp8=(),
+      fp8=None,
       apply_fn=apply_fn,
       tx=tx,
       policy=policy,

@@ -13,8 +13,8 @@ from jax import lax
 from mpjax._backend import lowering_platform
 from mpjax._dtypes import is_floating, to_f32
 from mpjax.autocast import autocast as autocast_fn
-from mpjax.autocast import autocast_with_fp8_state, fp8_state_for
-from mpjax.fp8 import Fp8Meta, next_meta
+from mpjax.autocast import autocast_with_fp8_scales, count_delayed_fp8_gemms
+from mpjax.fp8 import Fp8State, advance, delayed_scales
 from mpjax.loss_scale import DynamicLossScale, NoOpLossScale, all_finite, select_tree
 from mpjax.train_state import TrainState
 
@@ -223,24 +223,24 @@ def make_train_step(
         "autocast and cast_params unset, or use mixed_bf16."
       )
     fp8_state = state.fp8
-    if policy.fp8 is not None and not fp8_state:  # the first step makes the delayed state
-      fp8_state = fp8_state_for(
+    if policy.fp8 is not None and fp8_state is None:  # the first step makes the delayed state
+      gemms = count_delayed_fp8_gemms(
         model_fn, policy, state.params, state.model_state, batch, rules=autocast_rules
       )
+      fp8_state = Fp8State.initial(policy.fp8, gemms) if gemms else None
+    # This step's scale of every FP8 tensor, from its history (delayed scaling).
+    fp8_scales = None if fp8_state is None else delayed_scales(fp8_state, policy.fp8)
     if use_autocast:  # autocast casts params and batch where each operation uses them
-      with_fp8 = autocast_with_fp8_state(model_fn, policy, rules=autocast_rules)
-
-      def run(params, model_state, batch, fp8):
-        return with_fp8(fp8 or None, params, model_state, batch)
+      run = autocast_with_fp8_scales(model_fn, policy, rules=autocast_rules)
     else:
       compute_batch = policy.cast_to_compute(batch) if cast_batch else batch
 
-      def run(params, model_state, _, fp8):
+      def run(_, params, model_state, __):
         params = policy.cast_to_compute(params) if cast_params else params
         return model_fn(params, model_state, compute_batch)
 
-    def scaled_loss(params, fp8):
-      out = run(params, state.model_state, batch, fp8)
+    def scaled_loss(params, fp8_scales):
+      out = run(fp8_scales, params, state.model_state, batch)
       if not (isinstance(out, (tuple, list)) and len(out) == 2):
         raise ValueError(
           "with_model_state=True: loss_fn(params, model_state, batch) must return "
@@ -261,16 +261,18 @@ def make_train_step(
         "skip_nonfinite unset, or use StaticLossScale / NoOpLossScale."
       )
 
-    params, old_fp8 = state.params, fp8_state
+    params = state.params
     if axis_name is not None:
-      params, fp8_state = _as_varying((params, fp8_state), axis_name)
-    (grads, fp8_returned), (loss, aux, model_state) = jax.grad(
+      params, fp8_scales = _as_varying((params, fp8_scales), axis_name)
+    (grads, fp8_amaxes), (loss, aux, model_state) = jax.grad(
       scaled_loss, argnums=(0, 1), has_aux=True
-    )(params, fp8_state)
-    # The FP8 state's "gradient" is its next value (see mpjax.fp8.fp8_dot).
-    fp8_state = tuple(map(next_meta, fp8_returned, old_fp8))
-    if axis_name is not None:  # the amaxes of all devices' shards
-      fp8_state = lax.pmax(fp8_state, axis_name)
+    )(params, fp8_scales)
+    old_fp8 = new_fp8 = fp8_state
+    if fp8_state is not None:
+      # The scales' "gradient" is this step's amaxes (see mpjax.fp8.fp8_dot).
+      if axis_name is not None:  # the amaxes of all devices' shards
+        fp8_amaxes, fp8_scales = lax.pmax((fp8_amaxes, fp8_scales), axis_name)
+      new_fp8 = advance(fp8_state, fp8_scales, fp8_amaxes)
     # f32 gradients whatever the params' dtype (pure_bf16), for the norm and the update.
     grads = jax.tree.map(to_f32, loss_scale.unscale(grads))
     if axis_name is not None:
@@ -304,7 +306,7 @@ def make_train_step(
       old_fp8,
       grads,
       model_state,
-      fp8_state,
+      new_fp8,
     )
     if not check:
       params, opt_state, model_state, fp8_state = apply_update(operands)
@@ -351,8 +353,8 @@ def make_train_step(
 def init_fp8_state(step: StepFn, state: TrainState, batch: Any) -> TrainState:
   """``state`` with the FP8 delayed-scaling state its first step would make.
 
-  The first step of an FP8 policy makes ``state.fp8`` (one
-  :class:`mpjax.Fp8Meta` per FP8 GEMM) itself; call this to have it before
+  The first step of an FP8 policy makes ``state.fp8`` (an
+  :class:`mpjax.Fp8State`, a row per FP8 GEMM) itself; call this to have it before
   that step, e.g. as the target to restore an FP8 run's checkpoint into, or to
   compile the step once rather than twice. Traces ``step`` (shapes only;
   nothing runs). A state that has it, or a policy without FP8, comes back as
@@ -374,18 +376,12 @@ def init_fp8_state(step: StepFn, state: TrainState, batch: Any) -> TrainState:
     >>> state = mpjax.TrainState.create(apply_fn=model.apply,
     ...     params=model.init(jax.random.key(0), x), tx=optax.sgd(0.1), policy="mixed_fp8")
     >>> step = mpjax.make_train_step(lambda p, b: jnp.mean(model.apply(p, b) ** 2))
-    >>> len(mpjax.init_fp8_state(step, state, x).fp8)  # the middle Dense; first and last stay bf16
+    >>> mpjax.init_fp8_state(step, state, x).fp8.gemms  # the middle Dense; first and last bf16
     1
   """
-  if state.fp8 or state.policy.fp8 is None:
+  if state.fp8 is not None or state.policy.fp8 is None:
     return state
-  shapes = jax.eval_shape(step, state, batch)[0].fp8
-  return state.replace(
-    fp8=tuple(
-      Fp8Meta(
-        scale=jnp.ones(m.scale.shape, jnp.float32),
-        amax_history=jnp.zeros(m.amax_history.shape, jnp.float32),
-      )
-      for m in shapes
-    )
-  )
+  made = jax.eval_shape(step, state, batch)[0].fp8
+  if made is None:  # current scaling, or no FP8 GEMM
+    return state
+  return state.replace(fp8=Fp8State.initial(state.policy.fp8, made.gemms))

@@ -13,7 +13,9 @@ part of the audit is skipped and the numbers mean little. In one process:
 3. times one train step (state donated, warm-up, then the median of
    interleaved rounds) for fp32 at the default matmul precision (TF32 on
    Ampere and later), fp32 under ``jax.default_matmul_precision("highest")``,
-   ``mixed_bf16`` (autocast) and ``mixed_fp16`` with dynamic loss scaling;
+   ``mixed_bf16`` (autocast), ``mixed_fp16`` with dynamic loss scaling and
+   ``mixed_fp8`` (FP8 layer GEMMs, delayed scaling: on an H100/H200 every FP8
+   GEMM should be an ``__cublas$lt$matmul$f8`` call, the "calls" column);
 4. measures a bf16 x bf16 -> f32 GEMM peak (8192^3) and reports each step's
    GEMM throughput (the audit's FLOPs over the step time) against it.
 
@@ -45,7 +47,7 @@ from jax import lax
 from mpjax.audit import AuditReport, audit_jaxpr
 from mpjax.gpu import kernel_report, report_from_hlo
 from mpjax.train_state import TrainState
-from mpjax.train_step import make_train_step
+from mpjax.train_step import init_fp8_state, make_train_step
 from mpjax.xla import configure_xla, pad_to_multiple
 
 FULL = dict(vocab=256, d_model=512, heads=8, layers=4, mlp=2048, seq=256, batch=16, peak=8192)
@@ -218,11 +220,12 @@ def run(sizes: dict[str, int], rounds: int) -> dict[str, Any]:
     "fp32 (precision highest)": ("fp32", "highest"),
     "mixed_bf16 (autocast)": ("mixed_bf16", None),
     "mixed_fp16 (dynamic loss scale)": ("mixed_fp16", None),
+    "mixed_fp8 (delayed scaling)": ("mixed_fp8", None),
   }
   compiled_runs, reports, compile_s, programs = {}, {}, {}, {}
   for label, (policy, precision) in variants.items():
     step, init, batch = _step_and_state(sizes, policy)
-    state = init()
+    state = init_fp8_state(step, init(), batch)  # FP8: the state its first step would make
     scope = jax.default_matmul_precision(precision) if precision else contextlib.nullcontext()
     with scope:  # the precision is read when the step is traced
       compiled, reports[label], compile_s[label] = _compile(step, state, batch)

@@ -156,6 +156,51 @@ def run_shard_map(mesh, replicated, fresh_state, clean_batch, bad_batch, check_v
   return r
 
 
+class FP8_MLP(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return nn.Dense(16)(nn.relu(nn.Dense(32)(nn.relu(nn.Dense(32)(x)))))
+
+
+def run_fp8(mesh, replicated, x, y, data_sharded):
+  """One mixed_fp8 step (every Dense in FP8) under plain jit and under shard_map."""
+  model = FP8_MLP()
+  policy = mpjax.Policy(
+    jnp.float32, jnp.bfloat16, jnp.float32, fp8=mpjax.Fp8Recipe(keep_bf16=(), amax_history_len=4)
+  )
+
+  def fp8_loss(params, batch):
+    pred = model.apply(params, batch["x"]).astype(jnp.float32)
+    return jnp.mean((pred[:, :1] - batch["y"]) ** 2)
+
+  def fresh():
+    params = model.init(jax.random.key(1), x[:1])
+    return mpjax.TrainState.create(
+      apply_fn=model.apply, params=params, tx=optax.sgd(0.1), policy=policy
+    )
+
+  batch = jax.device_put({"x": x, "y": y}, data_sharded)
+  plain = mpjax.make_train_step(fp8_loss)
+  state = mpjax.init_fp8_state(plain, jax.device_put(fresh(), replicated), batch)
+  state = state.replace(fp8=jax.device_put(state.fp8, replicated))
+  ref, _ = jax.jit(plain)(state, batch)
+  sm_step = mpjax.make_train_step(fp8_loss, axis_name="data")
+  sm = jax.jit(
+    jax.shard_map(
+      lambda s, b: sm_step(s, b)[0], mesh=mesh, in_specs=(P(), P("data")), out_specs=P()
+    )
+  )(state, batch)
+  return {
+    "local_x_amax": [
+      float(np.abs(x[i * PER_DEVICE : (i + 1) * PER_DEVICE]).max()) for i in range(N_DEVICES)
+    ],
+    "global_x_amax": float(np.abs(x).max()),
+    "jit_history_row0": leaves_as_lists(ref.fp8.amax_history[0]),
+    "shard_map_history_row0": leaves_as_lists(sm.fp8.amax_history[0]),
+    "shard_map_scale": leaves_as_lists(sm.fp8.scale),
+  }
+
+
 def run_pmap_step(fresh_state, x, y, x_bad):
   """The train step with ``axis_name="data"`` under ``jax.pmap`` (state stacked per device)."""
   r = {}
@@ -368,6 +413,9 @@ def main():
   d["twice_counter"] = [int(v) for v in np.asarray(out_twice.counter)]
   d["twice_overflow_counter"] = [int(v) for v in np.asarray(out_twice.overflow_counter)]
   results["pmap"] = d
+
+  # ---- e. FP8 delayed scaling under shard_map: the amaxes of all devices -----
+  results["fp8"] = run_fp8(mesh, replicated, x, y, data_sharded)
 
   print(json.dumps(results))
 

@@ -130,12 +130,14 @@ def test_gpu_check_script_runs_small(capsys):
     "fp32 (precision highest)",
     "mixed_bf16 (autocast)",
     "mixed_fp16 (dynamic loss scale)",
+    "mixed_fp8 (delayed scaling)",
   }
   assert variants["fp32 (default precision: TF32)"]["step_ratio"] == 1.0
   assert variants["fp32 (precision highest)"]["precisions"] == ["HIGHEST"]
   assert variants["fp32 (default precision: TF32)"]["precisions"] == ["DEFAULT"]
   assert variants["mixed_bf16 (autocast)"]["fast_path_share"] == 1.0
   assert variants["mixed_fp16 (dynamic loss scale)"]["fast_path_share"] == 1.0
+  assert variants["mixed_fp8 (delayed scaling)"]["fast_path_share"] == 1.0
   assert variants["fp32 (precision highest)"]["fast_path_share"] == 0.0
   assert all(v["gemm_flops"] > 0 and v["gemm_tflops"] > 0 for v in variants.values())
   assert figures["peak_tflops"] > 0 and "flagged: 0 of" in figures["verdict"]

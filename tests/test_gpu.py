@@ -294,20 +294,20 @@ def test_every_fp8_gemm_of_an_lm_step_is_an_fp8_cublaslt_call_on_h100(fp8_lm):
   step, state, batch = fp8_lm
   # 2 blocks x (qkv, out, up, down) + the head; the first (qkv of block 0) and
   # the last (the head) stay bf16 by default.
-  assert len(state.fp8) == 7
+  assert state.fp8.gemms == 7
   report = mpjax.audit(step, state, batch, target="h100")
   fp8_rows = [r for r in report.rows if "f8" in r.dtypes]
   # Forward and both backward GEMMs of each: E4M3 x E4M3 forward, E5M2 gradients.
-  assert len(fp8_rows) == 3 * len(state.fp8)
+  assert len(fp8_rows) == 3 * state.fp8.gemms
   assert {r.call for r in fp8_rows} == {"__cublas$lt$matmul$f8"}
-  assert sum("e5m2" in r.dtypes for r in fp8_rows) == 2 * len(state.fp8)
+  assert sum("e5m2" in r.dtypes for r in fp8_rows) == 2 * state.fp8.gemms
   others = [r for r in report.rows if r not in fp8_rows]
   assert {r.call for r in others} == {"__cublas$lt$matmul"} and others
   # The attention GEMMs (two computed operands) and the kept layers are bf16.
   assert {r.dtypes.split(" ->")[0] for r in others} == {"bf16 x bf16"}
   assert report.fast_path_share == 1.0 and not report.flagged
   kernels = mpjax.kernel_report(step, state, batch, target="h100")
-  assert kernels.calls["cublas_lt_f8"] == 3 * len(state.fp8)
+  assert kernels.calls["cublas_lt_f8"] == 3 * state.fp8.gemms
   assert {k.peak_dtype for k in kernels.kernels if k.call == "cublas_lt_f8"} <= {
     "float8_e4m3fn",
     "float8_e5m2",

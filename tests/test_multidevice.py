@@ -232,3 +232,19 @@ def test_pmap_adjust_keeps_static_fields(results):
     "max_loss_scale": 2.0**20,
     "hysteresis": 1,
   }
+
+
+def test_fp8_amaxes_under_shard_map_are_those_of_the_global_batch(results):
+  """Each device sees its shard; the recorded amaxes are the max over every device's."""
+  r = results["fp8"]
+  # The premise: the devices' shards have different amaxes.
+  assert min(r["local_x_amax"]) < r["global_x_amax"] == max(r["local_x_amax"])
+  sm = np.asarray(r["shard_map_history_row0"][0])
+  jit = np.asarray(r["jit_history_row0"][0])
+  assert sm.shape == jit.shape == (3, 3)  # three FP8 GEMMs: lhs, rhs, grad
+  assert sm[0, 0] == r["global_x_amax"]  # the first Dense's input is the batch itself
+  np.testing.assert_allclose(sm[:, :2], jit[:, :2], rtol=1e-6)  # activations and weights
+  # Under shard_map each device's loss is the mean of its 8 rows, not of 64: its output
+  # gradients are 8x those of the global step.
+  np.testing.assert_allclose(sm[:, 2], 8 * jit[:, 2], rtol=1e-2)
+  assert np.all(np.asarray(r["shard_map_scale"][0]) == 1.0)  # the first step's scales
