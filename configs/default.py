@@ -26,6 +26,11 @@ def get_config() -> ml_collections.ConfigDict:
   config.checkpoint_every = 200  # steps between checkpoints; 0 means only at the end
   config.num_devices = 0  # data-parallel devices; 0 means all local devices
   config.run_dir = ""  # checkpoints and metrics; "" means runs/<config name>
+  config.autocast_rules = "{}"  # autocast rules, a dict literal: "{'*attn*': 'fp32'}" (see diagnose)
+  config.autoprecision = False  # before training, pick autocast_rules with mpjax.suggest_rules
+  config.health_every = 0  # steps between gradient-health records (mpjax.grad_health); 0: never
+  config.stop_after_skips = 100  # stop a run that skipped this many steps in a row; 0: never
+  config.stop_at_min_scale = 1000  # stop when the dynamic loss scale sat at its minimum this long
   config.data = ml_collections.ConfigDict()
   config.data.name = "char_corpus"  # mpjax.data.load_dataset name
   config.data.seq_len = 64  # characters per training window

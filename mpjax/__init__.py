@@ -11,6 +11,10 @@ from mpjax.autocast import autocast as autocast
 from mpjax.autocast import autocast_report as autocast_report
 from mpjax.data import Dataset as Dataset
 from mpjax.data import load_dataset as load_dataset
+from mpjax.diagnose import NonFiniteReport as NonFiniteReport
+from mpjax.diagnose import find_nonfinite as find_nonfinite
+from mpjax.diagnose import grad_health as grad_health
+from mpjax.diagnose import suggest_rules as suggest_rules
 from mpjax.flax_policy import linen_kwargs as linen_kwargs
 from mpjax.flax_policy import nnx_apply_policy as nnx_apply_policy
 from mpjax.fp8 import Fp8Recipe as Fp8Recipe
@@ -46,6 +50,10 @@ __version__ = "0.1.0"
 __all__ = [
   "AuditReport",
   "Dataset",
+  "NonFiniteReport",
+  "find_nonfinite",
+  "grad_health",
+  "suggest_rules",
   "audit",
   "linen_kwargs",
   "load_dataset",

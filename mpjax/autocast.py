@@ -283,6 +283,8 @@ class _Ctx:
   fp8: _Fp8Run | None = None
   # In a loop body: one history cannot follow a GEMM that runs many times.
   stateless: bool = False
+  # Called as probe(eqn, path, outs) after each equation (mpjax.diagnose's eager replay).
+  probe: Callable[[Any, str, list[Any]], None] | None = None
 
   def scaled(self, repeat: float) -> _Ctx:
     return dataclasses.replace(self, repeat=self.repeat * repeat)
@@ -565,6 +567,8 @@ def _eval_jaxpr(
           ctx.records.append(
             _Record(path, cls, str(out_dtype), flops * ctx.repeat, lowered, ctx.repeat)
           )
+    if ctx.probe is not None:
+      ctx.probe(eqn, path, outs)
     for v, x in zip(eqn.outvars, outs, strict=True):
       if not isinstance(v, jcore.DropVar):
         env[v] = (x, out_kind)

@@ -26,7 +26,15 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 
-from mpjax.experiment import ConfigError, Experiment, compare, load_config, train
+from mpjax.experiment import (
+  DIVERGED_EXIT_STATUS,
+  ConfigError,
+  Experiment,
+  compare,
+  diagnose,
+  load_config,
+  train,
+)
 from mpjax.policy import POLICY_ENV_VAR
 from mpjax.train_step import init_fp8_state
 
@@ -39,6 +47,8 @@ _COMMANDS = {
   "train": "train a config (default: configs/default.py), resuming from its run directory",
   "compare": "train a config under several policies; write a table and plots",
   "doctor": "audit every GEMM of a config's train step: dtypes, alignment, fast-path share",
+  "diagnose": "replay a config's train step (at --step N of its run) under its policy and in "
+  "f32: the operation that overflows, and the autocast rules that fix it",
 }
 
 
@@ -83,7 +93,16 @@ def _parser() -> argparse.ArgumentParser:
         choices=("cublaslt", "triton"),
         help="with --target: GEMMs as cuBLASLt calls or Triton fusions (default: %(default)s)",
       )
-    if name != "doctor":
+    if name == "diagnose":
+      sub.add_argument(
+        "--step",
+        type=int,
+        default=0,
+        help="replay the step after this one, from the run's latest checkpoint at or before it "
+        "(default: 0, the initial state)",
+      )
+      sub.add_argument("--run_dir", default=None, help="the run's directory")
+    if name in ("train", "compare"):
       sub.add_argument("--run_dir", default=None, help="where checkpoints and metrics go")
       sub.add_argument(
         "--no_progress", action="store_true", help="no progress bar (e.g. in CI logs)"
@@ -244,8 +263,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv: the arguments after ``mpjax``; default ``sys.argv[1:]``.
 
   Returns:
-    0 on success, 2 on bad input, 128 + the signal number when training was
-    stopped by SIGINT or SIGTERM (after writing a checkpoint).
+    0 on success, 2 on bad input, 3 when the divergence guard stopped a run
+    (after writing a checkpoint and saying why), 128 + the signal number when
+    training was stopped by SIGINT or SIGTERM (after writing a checkpoint).
 
   Example:
     >>> import mpjax.cli
@@ -260,6 +280,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = load_config(parsed.config, overrides)
     if parsed.command == "doctor":
       _doctor(config, parsed)
+      return 0
+    if parsed.command == "diagnose":
+      print(diagnose(config, step=parsed.step, run_dir=parsed.run_dir)["text"])
       return 0
     # A bar on a terminal; with stderr going to a file, one line per log step.
     progress = not parsed.no_progress and sys.stderr.isatty()
@@ -280,6 +303,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"mpjax: error: {e}", file=sys.stderr)
     return 2
   for summary in summaries:
+    if summary.get("diverged"):
+      return DIVERGED_EXIT_STATUS
     if summary["interrupted"]:
       signum = signal.Signals[summary["interrupted"]]
       print(

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import copy
 import dataclasses
 import functools
 import importlib.util
@@ -27,7 +28,7 @@ import sys
 import threading
 import time
 import zlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -44,6 +45,7 @@ from jax.sharding import PartitionSpec as P
 from mpjax import data as data_lib
 from mpjax import models
 from mpjax.autocast import autocast
+from mpjax.diagnose import find_nonfinite, grad_health, suggest_rules
 from mpjax.loss_scale import DynamicLossScale, LossScale, NoOpLossScale
 from mpjax.policy import POLICY_ENV_VAR, Policy, _cpu_has_native_bf16_dot, get_policy
 from mpjax.train_state import TrainState
@@ -62,7 +64,20 @@ LOSS_SCALES: dict[str, Callable[[], LossScale | None]] = {
   "none": NoOpLossScale,
 }
 # Keys that may change between a run and its resumption.
-_RESUMABLE_KEYS = ("steps", "log_every", "eval_every", "checkpoint_every", "run_dir", "progress")
+_RESUMABLE_KEYS = (
+  "steps",
+  "log_every",
+  "eval_every",
+  "checkpoint_every",
+  "run_dir",
+  "progress",
+  "health_every",
+  "stop_after_skips",
+  "stop_at_min_scale",
+)
+
+# The exit status of a run stopped by the divergence guard.
+DIVERGED_EXIT_STATUS = 3
 
 
 class ConfigError(ValueError):
@@ -237,6 +252,7 @@ class Experiment:
 
   config: ml_collections.ConfigDict
   policy: Policy = dataclasses.field(init=False)
+  rules: dict[str, str] = dataclasses.field(init=False)
   dataset: Any = dataclasses.field(init=False)
   model: nn.Module = dataclasses.field(init=False)
   mesh: Mesh = dataclasses.field(init=False)
@@ -253,6 +269,8 @@ class Experiment:
       )
     _positive(config, "steps", "batch_size", "log_every")
     _positive(config, "eval_every", "checkpoint_every", "num_devices", allow_zero=True)
+    _positive(config, "health_every", "stop_after_skips", "stop_at_min_scale", allow_zero=True)
+    self.rules = _parse_autocast_rules(config.autocast_rules)
     _positive(config, "warmup_steps", allow_zero=True)
     if not config.learning_rate > 0:
       raise ConfigError(f"config.learning_rate={config.learning_rate!r} must be positive.")
@@ -325,7 +343,8 @@ class Experiment:
       return self.model.apply({**params, **model_state}, inputs, **kwargs)
 
     if self.policy.is_mixed:
-      logits = autocast(forward, self.policy)(params, model_state, self._inputs(batch))
+      run = autocast(forward, self.policy, rules=self.rules or None)
+      logits = run(params, model_state, self._inputs(batch))
     else:
       inputs = self.policy.cast_to_compute(self._inputs(batch))
       logits = forward(self.policy.cast_to_compute(params), model_state, inputs)
@@ -369,8 +388,38 @@ class Experiment:
   def make_step(self) -> Callable[[TrainState, Any], tuple[TrainState, dict[str, Any]]]:
     """The jitted train step, donating the state."""
     # A run checks every step, whatever the policy: a bad batch is skipped, not trained on.
-    step = make_train_step(self.loss_fn, with_model_state=True, skip_nonfinite=True)
+    step = make_train_step(
+      self.loss_fn, with_model_state=True, skip_nonfinite=True, autocast_rules=self.rules or None
+    )
     return jax.jit(step, donate_argnums=0)
+
+  def scaled_grad_fn(self, state: TrainState, batch: Any) -> Callable[[Any], Any]:
+    """``params -> (scaled loss, gradients)`` of f32 code: what :mod:`mpjax.diagnose` replays.
+
+    The loss is multiplied by the state's loss scale, as the train step's
+    backward pass sees it; ``model_state`` and ``batch`` are fixed.
+    """
+    scale = state.loss_scale.loss_scale
+
+    def scaled_loss(params):
+      return self.loss_fn(params, state.model_state, batch)[0] * scale
+
+    return jax.value_and_grad(scaled_loss)
+
+  @functools.cached_property
+  def health_fn(self) -> Callable[[TrainState, Any], dict[str, dict[str, jax.Array]]]:
+    """``(state, batch) -> mpjax.grad_health`` of the step's gradients, jitted.
+
+    The gradients are computed in f32 and measured against the compute dtype
+    (fp16 or bf16; f32 for fp32 policies) at the state's loss scale: what a
+    backward pass in that dtype would flush to zero or overflow.
+    """
+
+    def health(state, batch):
+      grads = jax.grad(lambda p: self.loss_fn(p, state.model_state, batch)[0])(state.params)
+      return grad_health(grads, self.policy.compute_dtype, state.loss_scale.loss_scale)
+
+    return jax.jit(health)
 
   @functools.cached_property
   def _eval_step(self) -> Callable[..., dict[str, Any]]:
@@ -392,6 +441,24 @@ class Experiment:
 
 
 # --------------------------------------------------------------------------- run directory
+
+
+def _parse_autocast_rules(text: Any) -> dict[str, str]:
+  """``config.autocast_rules`` (a dict literal) as a dict, checked the way autocast checks rules."""
+  try:
+    rules = ast.literal_eval(text) if isinstance(text, str) else text
+  except (ValueError, SyntaxError):
+    rules = None
+  if not isinstance(rules, dict):
+    raise ConfigError(
+      f"config.autocast_rules={text!r} is not a dict literal; write e.g. "
+      "--config.autocast_rules=\"{'*attn*': 'fp32'}\" (mpjax diagnose prints one)."
+    )
+  try:
+    autocast(lambda: None, "mixed_bf16", rules=rules)
+  except (TypeError, ValueError) as e:
+    raise ConfigError(f"config.autocast_rules: {e}") from None
+  return dict(rules)
 
 
 def _run_dir(config: ml_collections.ConfigDict, run_dir: str | os.PathLike | None) -> pathlib.Path:
@@ -548,6 +615,91 @@ def _last_logged(path: pathlib.Path, step: int) -> dict[str, Any]:
   return rows[-1] if rows else {}
 
 
+def _autoprecision(exp: Experiment) -> Experiment:
+  """``exp`` with ``config.autocast_rules`` extended by :func:`mpjax.suggest_rules` on batch 0."""
+  if not exp.policy.is_mixed:
+    return exp
+  state = exp.init_state()
+  batch = exp.put_batch(exp.dataset.batch(0, exp.config.batch_size, exp.config.seed))
+  fn = exp.scaled_grad_fn(state, batch)
+  found = suggest_rules(fn, state.params, policy=exp.policy)
+  rules = {**exp.rules, **found}
+  if jax.process_index() == 0:
+    print(
+      f"mpjax: autoprecision: config.autocast_rules = {rules!r}"
+      + ("" if found else " (nothing to change: every value is finite and close to f32)"),
+      file=sys.stderr,
+    )
+  config = copy.deepcopy(exp.config)
+  config.autocast_rules = repr(rules)
+  return Experiment(config)
+
+
+class _DivergenceGuard:
+  """At each log step: is the run stuck, skipping every step or sitting at its minimum scale?"""
+
+  def __init__(self, config: ml_collections.ConfigDict, state: TrainState, it: int):
+    self.config = config
+    self.applied, self.it = int(state.step), it
+    self.skipping = self.at_min = 0
+    scale = state.loss_scale
+    self.min_scale = scale.min_loss_scale if isinstance(scale, DynamicLossScale) else None
+
+  def check(self, it: int, state: TrainState, metrics: dict[str, Any]) -> str | None:
+    steps, self.it = it - self.it, it
+    applied = int(state.step)
+    self.skipping = self.skipping + steps if applied == self.applied else 0
+    self.applied = applied
+    scale = float(metrics["loss_scale"])
+    at_min = self.min_scale is not None and scale <= self.min_scale
+    self.at_min = self.at_min + steps if at_min else 0
+    limit = self.config.stop_after_skips
+    if limit and self.skipping >= limit:
+      return (
+        f"the last {self.skipping} steps were all skipped (non-finite gradients); "
+        f"config.stop_after_skips={limit}"
+      )
+    limit = self.config.stop_at_min_scale
+    if limit and self.at_min >= limit:
+      return (
+        f"the dynamic loss scale has sat at its minimum ({self.min_scale:g}) for "
+        f"{self.at_min} steps; config.stop_at_min_scale={limit}"
+      )
+    if not math.isfinite(float(metrics["loss"])) and bool(metrics.get("grads_finite", True)):
+      return "the loss is not finite while its gradients are"
+    return None
+
+
+def _diverged_message(
+  exp: Experiment, state: TrainState, batch: Any, it: int, reason: str, path: pathlib.Path
+) -> str:
+  """What stopped the run, the operation that overflows on its last batch, and what to try."""
+  report = None
+  if exp.policy.is_mixed:
+    fn = exp.scaled_grad_fn(state, batch)
+    report = find_nonfinite(fn, state.params, policy=exp.policy, rules=exp.rules or None)
+  if report is not None:
+    cause = f'{report}\nPut it in the config: --config.autocast_rules="{dict(report.rule)!r}".'
+  else:
+    cause = (
+      "No operation overflows in the policy's precision where f32 stays finite: the run "
+      "diverges in f32 too; lower config.learning_rate or set config.max_grad_norm."
+    )
+  return (
+    f"mpjax: stopped at step {it} (checkpoint saved in {path}): {reason}.\n{cause}\n"
+    f"Replay it: mpjax diagnose {exp.config.name} --step {it} --run_dir {path}"
+  )
+
+
+def _health_values(health: Mapping[str, Mapping[str, Any]]) -> dict[str, float]:
+  """:func:`mpjax.grad_health` as flat ``health/<module>/<figure>`` metrics."""
+  return {
+    f"health/{module}/{key}": float(value)
+    for module, figures in health.items()
+    for key, value in figures.items()
+  }
+
+
 def _progress(total: int, initial: int, enabled: bool) -> Any:
   from tqdm import tqdm
 
@@ -601,6 +753,9 @@ def train(
     (20, 0)
   """
   exp = Experiment(config)
+  if config.autoprecision:
+    exp = _autoprecision(exp)
+    config = exp.config
   path = _run_dir(config, run_dir)
   _check_same_run(path, config, exp.policy)
   with _stop_on_signals() as stop:  # from here on, a signal means: checkpoint and stop
@@ -648,8 +803,9 @@ def train(
       step_memory_mib = memory.temp_size_in_bytes / 2**20 if memory is not None else float("nan")
       bar = _progress(config.steps, start, progress and jax.process_index() == 0)
       last = _last_logged(path, start) if jax.process_index() == 0 else {}
-      timed_steps, timed_seconds, interrupted = 0, 0.0, None
+      timed_steps, timed_seconds, interrupted, diverged = 0, 0.0, None, None
       it = tick_it = start
+      guard = _DivergenceGuard(config, state, start)
       tick = time.perf_counter()
       while it < config.steps:
         batch = exp.put_batch(exp.dataset.batch(it, config.batch_size, config.seed))
@@ -690,13 +846,21 @@ def train(
               file=sys.stderr,
               flush=True,
             )
+          reason = guard.check(it, state, metrics)
+          if reason is not None:
+            diverged = _diverged_message(exp, state, batch, it, reason, path)
+            stopping = stopping or DIVERGED_EXIT_STATUS
+        if config.health_every and it % config.health_every == 0:
+          health = jax.device_get(exp.health_fn(state, batch))
+          metrics_log.write(it, _health_values(health))
         if config.eval_every and it % config.eval_every == 0 and it < config.steps:
           metrics_log.write(it, exp.evaluate(state))
           tick, tick_it = time.perf_counter(), it
         if (config.checkpoint_every and it % config.checkpoint_every == 0) or stopping:
           manager.save(it, args=ocp.args.StandardSave(state))
         if stopping:
-          interrupted = signal.Signals(stopping).name
+          if diverged is None:
+            interrupted = signal.Signals(stopping).name
           break
       bar.close()
       if it == config.steps and manager.latest_step() != it:
@@ -723,11 +887,76 @@ def train(
     "examples_unit": "tokens" if exp.dataset.kind == "language_model" else "examples",
     "step_memory_mib": step_memory_mib,
     "interrupted": interrupted,
+    "diverged": diverged,
+    "autocast_rules": exp.rules,
     "run_dir": str(path),
   }
+  if diverged is not None and jax.process_index() == 0:
+    print(diverged, file=sys.stderr)
   if jax.process_index() == 0:
     (path / "summary.json").write_text(json.dumps(summary, indent=2))
   return summary
+
+
+def diagnose(
+  config: ml_collections.ConfigDict, *, step: int = 0, run_dir: str | os.PathLike | None = None
+) -> dict[str, Any]:
+  """Replays ``config``'s train step with :func:`mpjax.find_nonfinite` and ``suggest_rules``.
+
+  The state is the run's latest checkpoint at or before ``step`` (the initial
+  state when there is none), the batch the one of step ``step``; the loss is
+  scaled by the state's loss scale, as the step's backward pass sees it.
+
+  Args:
+    config: a loaded config.
+    step: the step to replay.
+    run_dir: the run's directory (default: ``runs/<config name>``).
+
+  Returns:
+    ``{"report": NonFiniteReport or None, "rules": dict, "from_step": int,
+    "text": what ``mpjax diagnose`` prints}``.
+
+  Raises:
+    ConfigError: for a config that does not build or a negative ``step``.
+  """
+  if step < 0:
+    raise ConfigError(f"--step={step} must be >= 0.")
+  exp = Experiment(config)
+  path = pathlib.Path(run_dir or config.run_dir or pathlib.Path("runs") / config.name)
+  step_fn = exp.make_step()
+  batch = exp.put_batch(exp.dataset.batch(step, config.batch_size, config.seed))
+  state = init_fp8_state(step_fn, exp.init_state(), batch)
+  source = 0
+  saved = [s for s in _checkpoint_steps(path) if s <= step]
+  if saved:
+    source = max(saved)
+    target = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
+    with ocp.CheckpointManager(path / "checkpoints") as manager:
+      state = manager.restore(source, args=ocp.args.StandardRestore(target))
+  fn = exp.scaled_grad_fn(state, batch)
+  rules = exp.rules or None
+  report = find_nonfinite(fn, state.params, policy=exp.policy, rules=rules)
+  suggested = suggest_rules(fn, state.params, policy=exp.policy) if exp.policy.is_mixed else {}
+  where = f"the checkpoint of step {source} in {path}" if saved else "the initial state"
+  lines = [
+    f"Replayed the train step of {config.name} [{exp.policy}] on the batch of step {step}, "
+    f"from {where}, loss scale {float(state.loss_scale.loss_scale):g}.",
+    "",
+    str(report) if report is not None else "No operation overflows where f32 stays finite.",
+    "",
+    f'Suggested rules (mpjax.suggest_rules): --config.autocast_rules="{suggested!r}"'
+    if suggested
+    else "Suggested rules: none needed (every value finite, outputs within 1% of f32).",
+  ]
+  return {"report": report, "rules": suggested, "from_step": source, "text": "\n".join(lines)}
+
+
+def _checkpoint_steps(path: pathlib.Path) -> list[int]:
+  folder = path / "checkpoints"
+  if not folder.is_dir():
+    return []
+  with ocp.CheckpointManager(folder) as manager:
+    return list(manager.all_steps())
 
 
 # --------------------------------------------------------------------------- compare
@@ -844,7 +1073,28 @@ def _plot(results_dir: pathlib.Path, runs: dict[str, pathlib.Path], title: str) 
     fig.savefig(results_dir / filename, dpi=100)
     plt.close(fig)
     written.append(filename)
+  health = {name: _read_health(run) for name, run in runs.items()}
+  if any(health.values()):  # runs with --config.health_every
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, rows in health.items():
+      for key in sorted({k for r in rows for k in r if k.endswith("/underflow")}):
+        module = key.removeprefix("health/").removesuffix("/underflow")
+        points = [(r["step"], r[key]) for r in rows if key in r]
+        ax.plot(*zip(*points, strict=True), marker=".", label=f"{name}: {module}")
+    ax.set_xlabel("step")
+    ax.set_ylabel("share of gradient entries")
+    ax.set_title(f"{title}: gradients that underflow the compute dtype")
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(results_dir / "underflow.png", dpi=100)
+    plt.close(fig)
+    written.append("underflow.png")
   return written
+
+
+def _read_health(run_dir: pathlib.Path) -> list[dict[str, Any]]:
+  lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+  return [row for row in map(json.loads, lines) if any(k.startswith("health/") for k in row)]
 
 
 def compare(
