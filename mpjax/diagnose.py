@@ -144,7 +144,10 @@ def _replay(
 
 
 def _policy_name(policy: Any) -> str:
-  return policy if isinstance(policy, str) else str(policy)
+  """A preset's name where the policy is one, else its repr."""
+  if isinstance(policy, str):
+    return policy
+  return next((name for name, preset in PRESETS.items() if preset == policy), str(policy))
 
 
 def find_nonfinite(

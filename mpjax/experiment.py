@@ -489,7 +489,7 @@ def _from_every_process(value: int) -> np.ndarray:
 
 def _check_same_run(path: pathlib.Path, config: ml_collections.ConfigDict, policy: Policy) -> None:
   saved = path / "config.json"
-  current = {**_comparable(config), "policy": str(policy)}
+  current = {**_comparable(config), "resolved_policy": str(policy)}
   if jax.process_index() == 0 and not saved.exists():
     tmp = path / "config.json.tmp"  # written whole, then renamed: no process reads half of it
     tmp.write_text(json.dumps(current, indent=2, sort_keys=True))
@@ -921,8 +921,11 @@ def diagnose(
   """
   if step < 0:
     raise ConfigError(f"--step={step} must be >= 0.")
-  exp = Experiment(config)
   path = pathlib.Path(run_dir or config.run_dir or pathlib.Path("runs") / config.name)
+  saved_config = path / "config.json"
+  if saved_config.is_file():  # the run's own values (policy, learning rate, rules...)
+    config = _with_saved_values(config, json.loads(saved_config.read_text()))
+  exp = Experiment(config)
   step_fn = exp.make_step()
   batch = exp.put_batch(exp.dataset.batch(step, config.batch_size, config.seed))
   state = init_fp8_state(step_fn, exp.init_state(), batch)
@@ -939,7 +942,7 @@ def diagnose(
   suggested = suggest_rules(fn, state.params, policy=exp.policy) if exp.policy.is_mixed else {}
   where = f"the checkpoint of step {source} in {path}" if saved else "the initial state"
   lines = [
-    f"Replayed the train step of {config.name} [{exp.policy}] on the batch of step {step}, "
+    f"Replayed the train step of {config.name} [{config.policy}] on the batch of step {step}, "
     f"from {where}, loss scale {float(state.loss_scale.loss_scale):g}.",
     "",
     str(report) if report is not None else "No operation overflows where f32 stays finite.",
@@ -949,6 +952,26 @@ def diagnose(
     else "Suggested rules: none needed (every value finite, outputs within 1% of f32).",
   ]
   return {"report": report, "rules": suggested, "from_step": source, "text": "\n".join(lines)}
+
+
+def _with_saved_values(
+  config: ml_collections.ConfigDict, saved: Mapping[str, Any]
+) -> ml_collections.ConfigDict:
+  """``config`` with the values a run saved in its ``config.json`` (JSON lists back to tuples)."""
+  config = copy.deepcopy(config)
+
+  def merge(node, values):
+    for key, value in values.items():
+      if key not in node:
+        continue
+      if isinstance(node[key], ml_collections.ConfigDict) and isinstance(value, dict):
+        merge(node[key], value)
+      else:
+        node[key] = tuple(value) if isinstance(node[key], tuple) else value
+
+  with config.unlocked():
+    merge(config, {k: v for k, v in saved.items() if k not in _RESUMABLE_KEYS})
+  return config
 
 
 def _checkpoint_steps(path: pathlib.Path) -> list[int]:
