@@ -59,6 +59,10 @@ def test_overrides_keep_types_and_nested_keys():
     (["train", "--config.data.name=imagenet"], "config.data"),
     (["compare", "digits_mlp", "--policies", "fp32,fp33"], "--policies"),
     (["train", "--num_processes", "2", "--process_id", "0"], "jax.distributed.initialize failed"),
+    (["train", "--config.autocast_rules=*attn*"], "is not a dict literal"),
+    (["train", "--config.autocast_rules={'tanh': 'fp31'}"], "config.autocast_rules"),
+    (["train", "--config.health_every=-1"], "config.health_every"),
+    (["diagnose", "digits_mlp", "--step", "-1"], "--step=-1"),
   ],
 )
 def test_bad_input_is_one_line_and_exit_status_2(argv, message, capsys):
@@ -207,6 +211,101 @@ def test_underflow_demo_compare_shows_fp16_needs_loss_scaling(tmp_path):
   assert "spread" in table and "±" in table.split("| fp32 | ")[1].split("|")[0]
   with pytest.raises(ex.ConfigError, match="loss scale 'sometimes' is not one of"):
     ex.compare(config, ["mixed_fp16:sometimes"], run_dir=tmp_path / "bad")
+
+
+# ------------------------------------------------------------------ when training goes wrong
+
+# fp16 with a learning rate that blows the weights up: after a few steps a GEMM's fp16 output
+# overflows on every step, while f32 still computes it.
+DIVERGING = [
+  "--config.policy=mixed_fp16",
+  "--config.learning_rate=300.0",
+  "--config.steps=300",
+  "--config.log_every=5",
+]
+
+
+def test_divergence_guard_stops_with_a_checkpoint_the_cause_and_exit_status_3(tmp_path, capsys):
+  run = tmp_path / "guarded"
+  argv = ["train", "digits_mlp", "--run_dir", str(run), "--no_progress", *DIVERGING]
+  assert cli.main([*argv, "--config.stop_after_skips=20"]) == ex.DIVERGED_EXIT_STATUS
+  err = capsys.readouterr().err
+  summary = json.loads((run / "summary.json").read_text())
+  stopped = summary["steps"]
+  assert stopped < 100 and summary["skipped_steps"] >= 20
+  assert f"mpjax: stopped at step {stopped}" in err and "skipped" in err
+  assert "in module `MLP/dense_" in err and "--config.autocast_rules=" in err
+  assert summary["diverged"] in err
+  with ocp.CheckpointManager(run / "checkpoints") as manager:
+    assert manager.latest_step() == stopped
+  # The premise: unguarded, the same run skips step after step to the end.
+  off = ["--config.stop_after_skips=0", "--config.stop_at_min_scale=0"]
+  assert cli.main([*argv[:3], str(tmp_path / "unguarded"), *argv[4:], *off]) == 0
+  unguarded = json.loads((tmp_path / "unguarded" / "summary.json").read_text())
+  assert unguarded["steps"] == 300 and unguarded["skipped_steps"] > 250
+  # mpjax diagnose replays the stopped run with its own config (fp16, the learning rate).
+  capsys.readouterr()
+  assert cli.main(["diagnose", "digits_mlp", "--step", str(stopped), "--run_dir", str(run)]) == 0
+  out = capsys.readouterr().out
+  assert f"from the checkpoint of step {stopped}" in out and "[mixed_fp16]" in out
+  assert "in module `MLP/dense_" in out and "Suggested rules" in out and "'fp32'" in out
+
+
+def test_diagnose_a_healthy_config_finds_nothing(capsys):
+  assert cli.main(["diagnose", "digits_mlp", "--config.policy=mixed_fp16"]) == 0
+  out = capsys.readouterr().out
+  assert "from the initial state" in out
+  assert "No operation overflows" in out and "none needed" in out
+
+
+def test_gradient_health_shows_the_underflow_that_loss_scaling_removes(tmp_path):
+  config = ex.load_config("underflow_demo", ["steps=60", "health_every=20", "log_every=20"])
+  results = ex.compare(config, ["mixed_fp16:none", "mixed_fp16"], run_dir=tmp_path)
+  assert set(results) == {"mixed_fp16:none", "mixed_fp16"}
+
+  def last_health(run):
+    rows = ex._read_health(tmp_path / run)
+    assert [r["step"] for r in rows] == [20, 40, 60]
+    return rows[-1]
+
+  unscaled, scaled = last_health("mixed_fp16-none"), last_health("mixed_fp16")
+  # Without scaling nearly every first-layer gradient entry is below fp16's smallest
+  # subnormal; at the dynamic scale none is.
+  assert unscaled["health/params/dense_0/underflow"] > 0.9
+  assert scaled["health/params/dense_0/underflow"] < 0.01
+  assert (tmp_path / "underflow.png").is_file()
+  assert "underflow.png" in (tmp_path / "results.md").read_text()
+  # Nothing is measured when not asked for.
+  config = ex.load_config("underflow_demo", ["steps=20", "log_every=10"])
+  ex.train(config, run_dir=tmp_path / "plain")
+  assert not ex._read_health(tmp_path / "plain")
+
+
+def test_autoprecision_picks_rules_before_training_and_saves_them(tmp_path, capsys):
+  config = ex.load_config(
+    "digits_mlp", ["policy=mixed_fp16", "autoprecision=true", "steps=10", "log_every=5"]
+  )
+  summary = ex.train(config, run_dir=tmp_path)
+  err = capsys.readouterr().err
+  assert "mpjax: autoprecision: config.autocast_rules = {}" in err  # a healthy model: none
+  assert summary["autocast_rules"] == {} and summary["skipped_steps"] == 0
+  saved = json.loads((tmp_path / "config.json").read_text())
+  assert saved["autoprecision"] is True and saved["autocast_rules"] == "{}"
+  # Rules given in the config are used by the step, the evaluation and the summary.
+  rules = "{'*MLP/dense_0*': 'fp32'}"
+  config = ex.load_config("digits_mlp", ["policy=mixed_fp16", f"autocast_rules={rules}"])
+  exp = ex.Experiment(config)
+  assert exp.rules == {"*MLP/dense_0*": "fp32"}
+  state = exp.init_state()
+  batch = exp.put_batch(exp.dataset.batch(0, config.batch_size, 0))
+  jaxpr = str(jax.make_jaxpr(exp.make_step())(state, batch))
+  plain = str(
+    jax.make_jaxpr(ex.Experiment(ex.load_config("digits_mlp", ["policy=mixed_fp16"])).make_step())(
+      state, batch
+    )
+  )
+  # The first layer's GEMMs run in f32 under the rule: fewer fp16 GEMMs than without it.
+  assert jaxpr.count("f16[") < plain.count("f16[")
 
 
 def test_data_parallel_over_eight_host_devices(tmp_path):
