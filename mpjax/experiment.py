@@ -853,6 +853,7 @@ def train(
         if config.health_every and it % config.health_every == 0:
           health = jax.device_get(exp.health_fn(state, batch))
           metrics_log.write(it, _health_values(health))
+          tick, tick_it = time.perf_counter(), it  # step times leave the measurement out
         if config.eval_every and it % config.eval_every == 0 and it < config.steps:
           metrics_log.write(it, exp.evaluate(state))
           tick, tick_it = time.perf_counter(), it
