@@ -428,3 +428,15 @@ def test_a_rerun_says_it_resumes_and_a_complete_run_says_so_without_training(tmp
     f"mpjax: resuming {tmp_path} from step 10 of 20 (checkpoint of step 10)."
   )
   assert "step 15/20" in more.err and "step 20/20" in more.err and "step 5/20" not in more.err
+
+
+def test_diagnosis_features_leave_the_train_step_program_unchanged():
+  def step_jaxpr(overrides):
+    exp = ex.Experiment(ex.load_config("digits_mlp", ["policy=mixed_fp16", *overrides]))
+    state = exp.init_state()
+    batch = exp.put_batch(exp.dataset.batch(0, exp.config.batch_size, 0))
+    return str(jax.make_jaxpr(exp.make_step())(state, batch))
+
+  plain = step_jaxpr(["stop_after_skips=0", "stop_at_min_scale=0"])
+  assert step_jaxpr(["health_every=5", "stop_after_skips=7", "stop_at_min_scale=9"]) == plain
+  assert step_jaxpr(["autocast_rules={'*MLP/dense_0*': 'fp32'}"]) != plain  # the premise
