@@ -858,7 +858,16 @@ def _run(
     return 0
 
   def run(scales, *xs):
-    return evaluate(xs, None if plan is None else _Fp8Run(plan, ctx.policy.fp8, scales))
+    fp8 = None if plan is None else _Fp8Run(plan, ctx.policy.fp8, scales)
+    outs = evaluate(xs, fp8)
+    if scales is not None and (fp8 is None or fp8.used != scales.shape[0]):
+      raise ValueError(
+        f"FP8 state: the train state holds the state of {scales.shape[0]} FP8 GEMMs but the "
+        f"loss function has {0 if fp8 is None else fp8.used}; was the state made for another "
+        "model? Start from TrainState.create (its first step makes the state), or "
+        "mpjax.init_fp8_state."
+      )
+    return outs
 
   if remat:
     run = jax.checkpoint(run, policy=_saved_for_backward)

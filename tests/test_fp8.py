@@ -31,6 +31,14 @@ MIDDLE = list(range(1, N_DENSE - 1))
 
 
 def _np_quantize(x, dtype, scale):
+  """``x * (1 / scale)`` in f32, the reciprocal rounded to f32 once, then saturated and cast."""
+  big = FMAX[dtype]
+  inverse = np.float32(1.0) / np.float32(scale)
+  return np.clip(np.asarray(x, np.float32) * inverse, -big, big).astype(dtype)
+
+
+def _np_quantize_by_division(x, dtype, scale):
+  """The same with a true f32 division, which rounds differently on a few FP8 ties."""
   big = FMAX[dtype]
   return np.clip(np.asarray(x, np.float32) / np.float32(scale), -big, big).astype(dtype)
 
@@ -143,17 +151,8 @@ def test_quantize_dequantize_match_numpy_bit_for_bit(dtype, in_dtype):
     ref = _np_quantize(x, dtype, scale)
     q = np.asarray(quantize(jnp.asarray(x), jnp.dtype(dtype), jnp.float32(scale)))
     assert q.dtype == dtype
-    if np.log2(scale).is_integer():
-      np.testing.assert_array_equal(_bits(q), _bits(ref))
-    else:
-      # XLA may divide by multiplying with 1/scale (1 f32 ulp off), which can move a value
-      # that sits on an FP8 rounding tie (see the BUG test below); anywhere else, bit for bit.
-      quotient = np.asarray(x, np.float32) / np.float32(scale)
-      near = [_np_quantize(np.nextafter(quotient, d), dtype, 1.0) for d in (-np.inf, np.inf)]
-      tie = (_bits(near[0]) != _bits(ref)) | (_bits(near[1]) != _bits(ref))
-      assert np.mean(tie) < 0.05
-      np.testing.assert_array_equal(_bits(q)[~tie], _bits(ref)[~tie])
-      assert np.all((_bits(q) == _bits(near[0])) | (_bits(q) == _bits(near[1])) | ~tie)
+    # quantize multiplies by the f32 reciprocal of the scale: bit for bit, whatever the scale.
+    np.testing.assert_array_equal(_bits(q), _bits(ref))
     # Premise: the data really reaches the clipped range and the FP8 subnormals.
     assert np.sum(np.abs(ref.astype(np.float32)) == FMAX[dtype]) > 10
     assert np.any((ref != 0) & (np.abs(ref.astype(np.float32)) < ml_dtypes.finfo(dtype).tiny))
@@ -164,12 +163,12 @@ def test_quantize_dequantize_match_numpy_bit_for_bit(dtype, in_dtype):
 
 
 @pytest.mark.parametrize("dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
-def test_quantize_divides_in_f32_on_a_rounding_tie(dtype):
-  # BUG: mpjax/fp8.py quantize (`x.astype(f32) / scale`) documents "the division runs in f32",
-  # but XLA:CPU rewrites the division by a broadcast scalar into x * (1/scale): 338 / 13 is
-  # exactly 26.0 (an E5M2 tie between 24 and 28; round-to-nearest-even gives 24) while
-  # 338 * f32(1/13) = 26.000002 rounds to 28. Likewise 0.1650390625 / 13 = 0.0126953125, an
-  # E4M3 tie (0.01171875 expected, 0.013671875 given).
+def test_quantize_multiplies_by_the_f32_reciprocal_on_a_rounding_tie(dtype):
+  # quantize computes x * f32(1/scale), the reciprocal taken once in f32, on every backend. On
+  # a rounding tie of the format that differs from a true division: 338 / 13 is exactly 26.0
+  # (an E5M2 tie between 24 and 28; round-to-nearest-even gives 24) while 338 * f32(1/13) =
+  # 26.000002 rounds to 28. Likewise 0.1650390625 / 13 = 0.0126953125, an E4M3 tie
+  # (0.01171875 by division, 0.013671875 by the reciprocal).
   x = np.array([338.0, -169.0, 0.1650390625, 1.0], np.float32)
   scale = np.float32(13.0)
   quotient = x / scale
@@ -177,8 +176,13 @@ def test_quantize_divides_in_f32_on_a_rounding_tie(dtype):
   lo, hi = (np.nextafter(quotient, d).astype(dtype) for d in (-np.inf, np.inf))
   assert np.sum(_bits(lo) != _bits(hi)) >= 1  # ... and one sits on a rounding tie of the format
   ref = _np_quantize(x, dtype, scale)
+  by_division = _np_quantize_by_division(x, dtype, scale)
+  # Premise: there, true division rounds differently from the reciprocal.
+  assert np.any(_bits(ref) != _bits(by_division))
   got = jax.jit(fp8.quantize, static_argnums=1)(jnp.asarray(x), jnp.dtype(dtype), scale)
-  assert np.asarray(got).astype(np.float32).tolist() == ref.astype(np.float32).tolist()
+  got = np.asarray(got)
+  assert got.dtype == dtype
+  np.testing.assert_array_equal(_bits(got), _bits(ref))
 
 
 @pytest.mark.parametrize("dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
@@ -254,6 +258,53 @@ def test_push_amax_and_history_amax_match_a_shift_register():
   assert np.all(np.isfinite(np.asarray(history)))
 
 
+@pytest.mark.parametrize("bwd_format", ["e5m2", "e4m3"])
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+def test_fp8_state_delayed_scales_and_advance_match_numpy(algo, bwd_format):
+  recipe = mpjax.Fp8Recipe(
+    amax_history_len=3, amax_compute_algo=algo, margin=1, bwd_format=bwd_format
+  )
+  initial = mpjax.Fp8State.initial(recipe, gemms=4)
+  assert initial.gemms == 4
+  assert initial.scale.dtype == initial.amax_history.dtype == jnp.float32
+  np.testing.assert_array_equal(np.asarray(initial.scale), np.ones((4, 3), np.float32))
+  np.testing.assert_array_equal(np.asarray(initial.amax_history), np.zeros((3, 4, 3), np.float32))
+
+  # (history row, gemm, column). GEMM 0: no amax yet; 1: the max and the latest differ; 2: an
+  # inf and a NaN in the latest row; 3: an amax so small that its scale underflows to 0.
+  history = np.zeros((3, 4, 3), np.float32)
+  history[:, 1] = [[2.0, 0.5, 100.0], [7.0, 0.25, 3000.0], [1.0, 4.0, 10.0]]
+  history[:, 2] = [[np.inf, np.nan, 8.0], [3.0, 1.0, 2.0], [0.0, 0.0, 0.0]]
+  history[:, 3] = [[1e-44, 2.0, 1e-44], [1e-44, 1.0, 1e-44], [0.0, 0.0, 0.0]]
+  old = np.arange(1, 13, dtype=np.float32).reshape(4, 3) / 8.0
+  state = mpjax.Fp8State(scale=jnp.asarray(old), amax_history=jnp.asarray(history))
+  assert state.gemms == 4
+  source = history.max(axis=0) if algo == "max" else history[0]
+  assert np.any(history.max(axis=0)[1] != history[0, 1])  # premise: the algorithms differ
+  fmax = np.array([448.0, 448.0, FMAX[recipe.bwd_dtype.type]])
+  assert fmax[2] == (57344.0 if bwd_format == "e5m2" else 448.0)  # premise: the grad's format
+  new = (source.astype(np.float64) * 2.0 / fmax).astype(np.float32)
+  ok = np.isfinite(source) & (source > 0) & (new > 0)
+  ref = np.where(ok, new, old)
+  # Premise: both branches happen, each in every column, and the fallback cases are among them.
+  assert np.all(ok.any(axis=0)) and np.all((~ok).any(axis=0))
+  assert not ok[0].any() and not ok[3, 0] and not ok[3, 2] and not ok[2, 1]
+
+  scales = np.asarray(jax.jit(fp8.delayed_scales, static_argnums=1)(state, recipe))
+  assert scales.dtype == np.float32 and scales.shape == (4, 3)
+  np.testing.assert_allclose(scales[ok], ref[ok], rtol=2e-7)
+  np.testing.assert_array_equal(scales[~ok], old[~ok])
+
+  amaxes = np.array([[1.0, 2.0, 3.0], [np.inf, 0.5, 0.0], [4.0, np.nan, 5.0], [6.0, 7.0, 8.0]])
+  after = jax.jit(fp8.advance)(state, jnp.asarray(scales), jnp.asarray(amaxes, np.float32))
+  assert isinstance(after, mpjax.Fp8State) and after.gemms == 4
+  _assert_bit_identical(after.scale, jnp.asarray(scales))
+  pushed = np.where(np.isfinite(amaxes), amaxes, 0.0).astype(np.float32)
+  np.testing.assert_array_equal(np.asarray(after.amax_history[0]), pushed)
+  np.testing.assert_array_equal(np.asarray(after.amax_history[1:]), history[:-1])
+  assert after.amax_history.shape == (3, 4, 3)
+
+
 # --- 4. fp8_dot ---------------------------------------------------------------------------------
 
 
@@ -298,12 +349,71 @@ def test_fp8_dot_current_scaling_matches_quantize_dequantize_reference():
   assert np.max(np.abs(np.asarray(dw) - xb.T @ gb)) > 100 * tol_dw
 
 
+def test_fp8_dot_delayed_scaling_uses_the_given_scales_and_returns_the_amaxes():
+  rng = np.random.default_rng(1)
+  x = (rng.standard_normal((32, 64)) * 3.0).astype(BF16)
+  w = (rng.standard_normal((64, 48)) * 0.1).astype(np.float32)
+  ct = rng.standard_normal((32, 48)).astype(np.float32)
+  dims = (((1,), (0,)), ((), ()))
+  recipe = mpjax.Fp8Recipe()
+  f32 = np.float32
+  amax_x, amax_w = np.max(np.abs(x.astype(f32))), np.max(np.abs(w))
+  amax_g = np.max(np.abs(ct.astype(BF16).astype(f32)))
+  # Scales unlike current scaling's: half the amax saturates x and the gradient, 16x leaves
+  # w with few levels.
+  scales = np.array([0.5 * amax_x / 448.0, 16.0 * amax_w / 448.0, 0.25 * amax_g / 57344.0], f32)
+
+  @jax.jit
+  def run(x, w, scales, ct):
+    def f(a, b, s):
+      return fp8.fp8_dot(a, b, s, dims, recipe, jnp.bfloat16)
+
+    out, vjp = jax.vjp(f, x, w, scales)
+    dx, dw, seen = vjp(ct.astype(out.dtype))
+    return out, dx, dw, seen
+
+  out, dx, dw, seen = run(x, w, scales, ct)
+  assert (out.dtype, dx.dtype, dw.dtype, seen.dtype) == (
+    jnp.bfloat16,
+    jnp.bfloat16,
+    jnp.float32,
+    jnp.float32,
+  )
+  # The cotangent of the scales is this step's amaxes: lhs, rhs, output gradient.
+  np.testing.assert_array_equal(np.asarray(seen), np.array([amax_x, amax_w, amax_g], f32))
+
+  def qdq(v, dtype, scale):
+    return _np_dequantize(_np_quantize(v, dtype, scale), scale, BF16).astype(f32)
+
+  xq, wq, gq = (
+    qdq(x, E4M3, scales[0]),
+    qdq(w, E4M3, scales[1]),
+    qdq(ct.astype(BF16), E5M2, scales[2]),
+  )
+  ref_out = (xq @ wq).astype(BF16).astype(f32)
+  ref_dx = (gq @ wq.T).astype(BF16).astype(f32)
+  ref_dw = xq.T @ gq
+  tol_out = 2.0**-8 * np.max(np.abs(ref_out))
+  tol_dx = 2.0**-8 * np.max(np.abs(ref_dx))
+  tol_dw = 1e-5 * np.max(np.abs(ref_dw))
+  np.testing.assert_allclose(np.asarray(out, f32), ref_out, rtol=0, atol=tol_out)
+  np.testing.assert_allclose(np.asarray(dx, f32), ref_dx, rtol=0, atol=tol_dx)
+  np.testing.assert_allclose(np.asarray(dw), ref_dw, rtol=0, atol=tol_dw)
+
+  # Premise: the given scales matter. Current scaling's results differ by clearly more.
+  cx, cw = _np_current_qdq(x, E4M3).astype(f32), _np_current_qdq(w, E4M3).astype(f32)
+  cg = _np_current_qdq(ct.astype(BF16), E5M2).astype(f32)
+  assert np.max(np.abs(np.asarray(out, f32) - cx @ cw)) > 4 * tol_out
+  assert np.max(np.abs(np.asarray(dx, f32) - cg @ cw.T)) > 4 * tol_dx
+  assert np.max(np.abs(np.asarray(dw) - cx.T @ cg)) > 100 * tol_dw
+
+
 # --- 5. delayed scaling through the train step ---------------------------------------------------
 
 
 def test_first_steps_fill_the_history_and_scales():
   state = _state()
-  assert state.fp8 == ()
+  assert state.fp8 is None
   step = jax.jit(mpjax.make_train_step(loss_fn))
   batch = _batch()
   kernels = _kernel_amaxes(state.params)
@@ -311,32 +421,37 @@ def test_first_steps_fill_the_history_and_scales():
   ins, cts = _reference_amaxes(state.params, batch)
 
   s1, _ = step(state, batch)
-  assert len(s1.fp8) == len(MIDDLE) == 3
-  for i, meta in zip(MIDDLE, s1.fp8, strict=True):
-    assert isinstance(meta, mpjax.Fp8Meta)
-    assert meta.scale.dtype == meta.amax_history.dtype == jnp.float32
-    assert meta.amax_history.shape == (1024, 3)
-    row = np.asarray(meta.amax_history[0])
-    assert row[1] == np.float32(kernels[i])  # the f32 master kernel, exactly
+  assert isinstance(s1.fp8, mpjax.Fp8State)
+  assert s1.fp8.gemms == len(MIDDLE) == 3
+  assert s1.fp8.scale.dtype == s1.fp8.amax_history.dtype == jnp.float32
+  assert s1.fp8.scale.shape == (3, 3) and s1.fp8.amax_history.shape == (1024, 3, 3)
+  history = np.asarray(s1.fp8.amax_history)
+  for row, i in enumerate(MIDDLE):  # row j: the j-th FP8 GEMM in program order
+    amaxes = history[0, row]
+    assert amaxes[1] == np.float32(kernels[i])  # the f32 master kernel, exactly
     # The bf16 input activation and the output cotangent, against the f32 model.
-    np.testing.assert_allclose(row[0], ins[i], rtol=0.05)
-    np.testing.assert_allclose(row[2], cts[i], rtol=0.1)
-    assert np.all(np.asarray(meta.amax_history[1:]) == 0)
-    np.testing.assert_array_equal(np.asarray(meta.scale), np.ones(3, np.float32))
+    np.testing.assert_allclose(amaxes[0], ins[i], rtol=0.05)
+    np.testing.assert_allclose(amaxes[2], cts[i], rtol=0.1)
+  assert np.all(history[1:] == 0)
+  np.testing.assert_array_equal(np.asarray(s1.fp8.scale), np.ones((3, 3), np.float32))
   # Premise: the three columns are far apart (more than the tolerances), so a swap would show.
   for a, b in ((ins, kernels), (ins, cts), (kernels, cts)):
     assert all(abs(a[i] - b[i]) > 0.25 * max(a[i], b[i]) for i in MIDDLE)
 
   s2, _ = step(s1, batch)
-  for i, old, meta in zip(MIDDLE, s1.fp8, s2.fp8, strict=True):
-    first = np.asarray(old.amax_history[0])
-    np.testing.assert_allclose(float(meta.scale[1]), kernels[i] / 448.0, rtol=1e-6)
-    np.testing.assert_allclose(np.asarray(meta.scale), first / [448.0, 448.0, 57344.0], rtol=1e-6)
-    np.testing.assert_array_equal(np.asarray(meta.amax_history[1]), first)
-    assert meta.amax_history[0, 1] == np.float32(_kernel_amaxes(s1.params)[i])
-    assert np.all(np.asarray(meta.amax_history[2:]) == 0)
+  first = history[0]
+  np.testing.assert_allclose(
+    np.asarray(s2.fp8.scale[:, 1]), [kernels[i] / 448.0 for i in MIDDLE], rtol=1e-6
+  )
+  np.testing.assert_allclose(np.asarray(s2.fp8.scale), first / [448.0, 448.0, 57344.0], rtol=1e-6)
+  np.testing.assert_array_equal(np.asarray(s2.fp8.amax_history[1]), first)
+  moved = _kernel_amaxes(s1.params)
+  assert np.asarray(s2.fp8.amax_history[0, :, 1]).tolist() == [
+    float(np.float32(moved[i])) for i in MIDDLE
+  ]
+  assert np.all(np.asarray(s2.fp8.amax_history[2:]) == 0)
   # Premise: step 1 moved the kernels, so the new row is not the old one again.
-  assert _kernel_amaxes(s1.params) != kernels
+  assert moved != kernels
 
 
 def test_amax_compute_algo_max_and_most_recent():
@@ -354,16 +469,15 @@ def test_amax_compute_algo_max_and_most_recent():
     states[algo] = history
   # Steps 1 and 2 read a history of at most one row: the same for both algorithms.
   _assert_bit_identical(states["max"][:2], states["most_recent"][:2])
-  for before, with_max, with_recent in zip(
-    states["max"][1], states["max"][2], states["most_recent"][2], strict=True
-  ):
-    hist = np.asarray(before.amax_history)
-    assert hist.shape == (4, 3)
-    assert hist[1, 0] > 4 * hist[0, 0]  # premise: the input amax came down from step 1 to 2
-    fmax = np.array([448.0, 448.0, 57344.0])
-    np.testing.assert_allclose(np.asarray(with_max.scale), hist.max(axis=0) / fmax, rtol=1e-6)
-    np.testing.assert_allclose(np.asarray(with_recent.scale), hist[0] / fmax, rtol=1e-6)
-    assert float(with_max.scale[0]) > 4 * float(with_recent.scale[0])
+  before, with_max, with_recent = states["max"][1], states["max"][2], states["most_recent"][2]
+  hist = np.asarray(before.amax_history)
+  assert hist.shape == (4, 3, 3) and before.gemms == 3
+  # Premise: every FP8 layer's input amax came down from step 1 to 2.
+  assert np.all(hist[1, :, 0] > 4 * hist[0, :, 0])
+  fmax = np.array([448.0, 448.0, 57344.0])
+  np.testing.assert_allclose(np.asarray(with_max.scale), hist.max(axis=0) / fmax, rtol=1e-6)
+  np.testing.assert_allclose(np.asarray(with_recent.scale), hist[0] / fmax, rtol=1e-6)
+  assert np.all(np.asarray(with_max.scale[:, 0]) > 4 * np.asarray(with_recent.scale[:, 0]))
 
 
 def test_delayed_scale_from_history_saturates_a_jump_in_amax():
@@ -380,16 +494,19 @@ def test_delayed_scale_from_history_saturates_a_jump_in_amax():
       state, metrics = step(state, batch)
       losses[scaling].append(float(metrics["loss"]))
     if scaling == "delayed":
-      hist = np.asarray(state.fp8[0].amax_history)
+      hist = np.asarray(state.fp8.amax_history[:, 0])  # the first FP8 GEMM's
       assert hist[0, 0] > 4 * hist[1, 0]  # premise: the input amax jumped past its scale
-      assert float(state.fp8[0].scale[0]) == pytest.approx(hist[1, 0] / 448.0, rel=1e-6)
+      assert float(state.fp8.scale[0, 0]) == pytest.approx(hist[1, 0] / 448.0, rel=1e-6)
+    else:
+      assert state.fp8 is None
   delayed, current = losses["delayed"], losses["current"]
   assert delayed[0] == pytest.approx(current[0], rel=0.03)  # step 1: both about right
   assert delayed[1] < 0.9 * current[1]  # step 2: clipped activations, a smaller output
 
 
 def test_gemm_whose_result_the_loss_does_not_use_keeps_its_state():
-  # ``side`` only reaches aux: its backward never runs, and next_meta keeps its state.
+  # ``side`` only reaches aux: its backward never runs, so its amaxes' cotangent is zero: a row
+  # of zeros (no information) goes into its history, and its scale stays as it was.
   k = jax.random.split(jax.random.key(0), 4)
   params = {n: jax.random.normal(kk, (D_IN, D_IN)) / 4.0 for n, kk in zip("abcd", k, strict=True)}
 
@@ -404,13 +521,36 @@ def test_gemm_whose_result_the_loss_does_not_use_keeps_its_state():
   )
   step = jax.jit(mpjax.make_train_step(loss))
   x = _batch()["x"]
-  s2, _ = step(step(state, x)[0], x)
-  side, used = s2.fp8  # "a" and "d" stay bf16
-  np.testing.assert_array_equal(np.asarray(side.scale), np.ones(3, np.float32))
-  assert not np.any(np.asarray(side.amax_history))
-  # Premise: the GEMM whose result is used did move on.
-  assert float(used.amax_history[1, 1]) == float(jnp.max(jnp.abs(params["c"])))
-  assert float(used.scale[1]) == pytest.approx(float(used.amax_history[1, 1]) / 448.0, rel=1e-6)
+  s1, _ = step(state, x)
+  s2, _ = step(s1, x)
+  side, used_row = 0, 1  # rows: "b" then "c"; "a" and "d" stay bf16
+  assert s2.fp8.gemms == 2
+  for s in (s1, s2):
+    np.testing.assert_array_equal(np.asarray(s.fp8.scale[side]), np.ones(3, np.float32))
+    assert not np.any(np.asarray(s.fp8.amax_history[:, side]))
+  # Premise: the GEMM whose result is used did move on: real amaxes, a scale from them.
+  used = np.asarray(s2.fp8.amax_history[:, used_row])
+  assert np.all(used[:2] > 0) and not np.any(used[2:])
+  assert float(used[1, 1]) == float(jnp.max(jnp.abs(params["c"])))
+  assert float(s2.fp8.scale[used_row, 1]) == pytest.approx(float(used[1, 1]) / 448.0, rel=1e-6)
+  # A scale the history cannot replace stays: from a state whose side GEMM had scale 0.5 and an
+  # empty history, the zero row keeps it 0.5 (not reset to 1, not 0).
+  fp8_state = s1.fp8.replace(
+    scale=s1.fp8.scale.at[side].set(0.5), amax_history=jnp.zeros_like(s1.fp8.amax_history)
+  )
+  s3, _ = step(s1.replace(fp8=fp8_state), x)
+  np.testing.assert_array_equal(np.asarray(s3.fp8.scale[side]), np.full(3, 0.5, np.float32))
+  assert not np.any(np.asarray(s3.fp8.amax_history[:, side]))
+  assert np.all(np.asarray(s3.fp8.amax_history[0, used_row]) > 0)
+  # A zero row is pushed (not the history left as it was): from a history whose latest row saw
+  # amaxes, those move to row 1 and the scale they give stays.
+  seen = np.array([224.0, 224.0, 28672.0], np.float32)
+  fp8_state = s1.fp8.replace(amax_history=jnp.zeros_like(s1.fp8.amax_history).at[0, side].set(seen))
+  s4, _ = step(s1.replace(fp8=fp8_state), x)
+  history = np.asarray(s4.fp8.amax_history[:, side])
+  assert not np.any(history[0]) and not np.any(history[2:])
+  np.testing.assert_array_equal(history[1], seen)
+  np.testing.assert_allclose(np.asarray(s4.fp8.scale[side]), [0.5, 0.5, 0.5], rtol=1e-6)
 
 
 # --- 6. a skipped step ---------------------------------------------------------------------------
@@ -419,7 +559,7 @@ def test_gemm_whose_result_the_loss_does_not_use_keeps_its_state():
 def test_skipped_step_keeps_fp8_state_bit_identical():
   step = jax.jit(mpjax.make_train_step(loss_fn, skip_nonfinite=True))
   state, metrics = step(_state(), _batch())
-  assert bool(metrics["grads_finite"]) and len(state.fp8) == 3
+  assert bool(metrics["grads_finite"]) and state.fp8.gemms == 3
   bad = _batch(seed=1)
   bad["x"] = bad["x"].at[3, 5].set(jnp.nan)
   skipped, metrics = step(state, bad)
@@ -430,9 +570,8 @@ def test_skipped_step_keeps_fp8_state_bit_identical():
   assert int(skipped.step) == int(state.step) == 1 and int(skipped.skipped_steps) == 1
   # Premise: a good step on that batch's shapes does move the FP8 state.
   moved, _ = step(state, _batch(seed=1))
-  assert any(
-    np.asarray(a.amax_history).tobytes() != np.asarray(b.amax_history).tobytes()
-    for a, b in zip(moved.fp8, state.fp8, strict=True)
+  assert (
+    np.asarray(moved.fp8.amax_history).tobytes() != np.asarray(state.fp8.amax_history).tobytes()
   )
 
 
@@ -449,9 +588,11 @@ def test_init_fp8_state_matches_what_the_first_step_makes():
   assert [(x.shape, x.dtype) for x in jax.tree.leaves(ready.fp8)] == [
     (x.shape, x.dtype) for x in jax.tree.leaves(made.fp8)
   ]
-  for meta in ready.fp8:
-    np.testing.assert_array_equal(np.asarray(meta.scale), np.ones(3, np.float32))
-    np.testing.assert_array_equal(np.asarray(meta.amax_history), np.zeros((1024, 3), np.float32))
+  assert isinstance(ready.fp8, mpjax.Fp8State) and ready.fp8.gemms == made.fp8.gemms == 3
+  np.testing.assert_array_equal(np.asarray(ready.fp8.scale), np.ones((3, 3), np.float32))
+  np.testing.assert_array_equal(
+    np.asarray(ready.fp8.amax_history), np.zeros((1024, 3, 3), np.float32)
+  )
   # From it, the step compiles once, and its first step is the one the empty state takes.
   s1, _ = step(ready, batch)
   s2, _ = step(s1, batch)
@@ -482,7 +623,8 @@ def test_checkpoint_round_trip_of_a_trained_fp8_state(tmp_path):
     ckptr.wait_until_finished()
     restored = ckptr.restore(path, jax.tree.map(ocp.utils.to_shape_dtype_struct, target))
   # Premise: the target's FP8 state is not the trained one.
-  assert target.fp8[0].amax_history.tobytes() != state.fp8[0].amax_history.tobytes()
+  assert target.fp8.gemms == state.fp8.gemms == 3
+  assert target.fp8.amax_history.tobytes() != state.fp8.amax_history.tobytes()
   assert isinstance(restored, mpjax.TrainState) and restored.policy == state.policy
   _assert_bit_identical(restored, state)
   (a, ma), (b, mb) = step(state, _batch(seed=2)), step(restored, _batch(seed=2))
@@ -494,7 +636,7 @@ def test_checkpoint_round_trip_of_a_trained_fp8_state(tmp_path):
 
 def _fp8_count(policy):
   step = mpjax.make_train_step(loss_fn)
-  return len(mpjax.init_fp8_state(step, _state(policy), _batch()).fp8)
+  return mpjax.init_fp8_state(step, _state(policy), _batch()).fp8.gemms
 
 
 def test_keep_bf16_chooses_the_fp8_gemms():
@@ -514,7 +656,7 @@ def test_keep_bf16_chooses_the_fp8_gemms():
     apply_fn=attention, params=w, tx=optax.sgd(0.1), policy=_policy(keep_bf16=())
   )
   step = mpjax.make_train_step(lambda p, b: jnp.mean(attention(p, b["x"]) ** 2))
-  assert len(mpjax.init_fp8_state(step, attn, _batch()).fp8) == 3
+  assert mpjax.init_fp8_state(step, attn, _batch()).fp8.gemms == 3
   forward = str(jax.make_jaxpr(mpjax.autocast(attention, attn.policy))(w, _batch()["x"]))
   assert forward.count("dot_general") >= 5  # premise: five GEMMs ...
   assert forward.count("new_dtype=float8_e4m3fn") == 2 * 3  # ... of which three quantize
@@ -522,19 +664,45 @@ def test_keep_bf16_chooses_the_fp8_gemms():
   state, batch = _state(_policy(keep_bf16=("*Dense_2*",))), _batch()
   s1, _ = jax.jit(mpjax.make_train_step(loss_fn))(state, batch)
   kernels = _kernel_amaxes(state.params)
-  assert [float(m.amax_history[0, 1]) for m in s1.fp8] == [kernels[i] for i in (0, 1, 3, 4)]
+  assert np.asarray(s1.fp8.amax_history[0, :, 1]).tolist() == [kernels[i] for i in (0, 1, 3, 4)]
+
+
+def test_gemm_under_another_fp8_recipe_runs_in_fp8_without_delayed_state():
+  # A rule gives Dense_2 an FP8 policy whose recipe is not the step's (a shorter history): the
+  # train state's history cannot be its, so it runs in FP8 with current scaling and has no row.
+  state, batch = _state(), _batch()
+  rules = {"*Dense_2*": _policy(amax_history_len=16)}
+  step = mpjax.make_train_step(loss_fn, autocast_rules=rules)
+  assert mpjax.init_fp8_state(step, state, batch).fp8.gemms == 2
+  s1, metrics = jax.jit(step)(state, batch)
+  kernels = _kernel_amaxes(state.params)
+  assert s1.fp8.amax_history.shape == (1024, 2, 3) and np.isfinite(float(metrics["loss"]))
+  assert np.asarray(s1.fp8.amax_history[0, :, 1]).tolist() == [kernels[1], kernels[3]]
+
+  # Premise: Dense_2 still runs in FP8 (as many quantizing GEMMs as without the rule, more than
+  # with Dense_2 kept in bf16), and a rule whose policy has the step's recipe keeps its row.
+  def quantized(policy, rules=None):
+    forward = mpjax.autocast(MODEL.apply, policy, rules=rules)
+    return str(jax.make_jaxpr(forward)(state.params, batch["x"])).count("new_dtype=float8_e4m3fn")
+
+  assert quantized("mixed_fp8", rules) == quantized("mixed_fp8") == 2 * 3
+  assert quantized(_policy(keep_bf16=("first", "last", "*Dense_2*"))) == 2 * 2
+  same = mpjax.Policy(jnp.float32, jnp.bfloat16, jnp.bfloat16, fp8=mpjax.Fp8Recipe())
+  assert same != state.policy and same.fp8 == state.policy.fp8
+  step = mpjax.make_train_step(loss_fn, autocast_rules={"*Dense_2*": same})
+  assert mpjax.init_fp8_state(step, state, batch).fp8.gemms == 3
 
 
 def test_current_scaling_keeps_no_state_but_runs_in_fp8():
   state, batch = _state(_policy(scaling="current")), _batch()
   step = mpjax.make_train_step(loss_fn)
-  assert mpjax.init_fp8_state(step, state, batch).fp8 == ()
+  assert mpjax.init_fp8_state(step, state, batch).fp8 is None
   text = str(jax.make_jaxpr(step)(state, batch))
   assert "f8_e4m3fn" in text and "f8_e5m2" in text
   # Premise: a bf16 step has no FP8 in it.
   assert "f8_e" not in str(jax.make_jaxpr(step)(_state("mixed_bf16"), batch))
   s1, metrics = jax.jit(step)(state, batch)
-  assert s1.fp8 == () and np.isfinite(float(metrics["loss"]))
+  assert s1.fp8 is None and np.isfinite(float(metrics["loss"]))
 
 
 def test_autocast_alone_runs_fp8_with_current_scaling():
@@ -598,28 +766,28 @@ def test_gemm_in_scan_runs_fp8_without_delayed_state():
     return state, mpjax.make_train_step(loss)
 
   state, step = state_and_step(_scan_model)
-  assert mpjax.init_fp8_state(step, state, batch).fp8 == ()
+  assert mpjax.init_fp8_state(step, state, batch).fp8 is None
   jaxpr = jax.make_jaxpr(step)(state, batch).jaxpr
   scans = [str(sub) for name, sub in _subjaxprs(jaxpr) if name == "scan"]
   assert len(scans) >= 2
   # The forward scan quantizes to E4M3, the backward one the cotangent to E5M2.
   assert any("f8_e4m3fn" in s for s in scans) and any("f8_e5m2" in s for s in scans)
   s1, metrics = jax.jit(step)(state, batch)
-  assert s1.fp8 == () and np.isfinite(float(metrics["loss"]))
+  assert s1.fp8 is None and np.isfinite(float(metrics["loss"]))
 
   # With nothing kept in bf16, the GEMMs before and after the scan have delayed state, the one
   # inside has none: the two states belong to w_in and w_out.
   state, step = state_and_step(_scan_model, _policy(keep_bf16=()))
   s1, metrics = jax.jit(step)(state, batch)
-  assert len(s1.fp8) == 2 and np.isfinite(float(metrics["loss"]))
-  assert [float(m.amax_history[0, 1]) for m in s1.fp8] == [
+  assert s1.fp8.gemms == 2 and np.isfinite(float(metrics["loss"]))
+  assert np.asarray(s1.fp8.amax_history[0, :, 1]).tolist() == [
     float(jnp.max(jnp.abs(params[n]))) for n in ("w_in", "w_out")
   ]
   # Premise: the same GEMMs unrolled are FP8 GEMMs with delayed state.
   state, step = state_and_step(_unrolled_model)
-  assert len(mpjax.init_fp8_state(step, state, batch).fp8) == 3
+  assert mpjax.init_fp8_state(step, state, batch).fp8.gemms == 3
   state, step = state_and_step(_unrolled_model, _policy(keep_bf16=()))
-  assert len(mpjax.init_fp8_state(step, state, batch).fp8) == 5
+  assert mpjax.init_fp8_state(step, state, batch).fp8.gemms == 5
 
 
 # --- 11. training -------------------------------------------------------------------------------
@@ -645,7 +813,10 @@ def test_fp8_training_tracks_bf16():
       state, metrics = step(state, batches[i % len(batches)])
       history.append(float(metrics["loss"]))
     losses[policy] = np.array(history)
-    assert len(state.fp8) == (3 if policy == "mixed_fp8" else 0)
+    if policy == "mixed_fp8":
+      assert state.fp8.gemms == 3
+    else:
+      assert state.fp8 is None
   final = {policy: np.mean(history[-16:]) for policy, history in losses.items()}
   for policy, history in losses.items():
     assert np.all(np.isfinite(history))
@@ -699,3 +870,13 @@ def test_train_step_without_autocast_refuses_fp8():
   # Premise: the same step runs a bf16 state.
   state, _ = step(_state("mixed_bf16"), _batch())
   assert int(state.step) == 1
+
+
+@pytest.mark.parametrize("rows", [len(MIDDLE) - 1, len(MIDDLE) + 2])
+def test_a_state_made_for_another_model_is_refused_by_name(rows):
+  step = jax.jit(mpjax.make_train_step(loss_fn))
+  state = _state()
+  assert mpjax.init_fp8_state(step, state, _batch()).fp8.gemms == len(MIDDLE)  # the premise
+  wrong = state.replace(fp8=mpjax.Fp8State.initial(state.policy.fp8, rows))
+  with pytest.raises(ValueError, match=f"holds the state of {rows} FP8 GEMMs"):
+    step(wrong, _batch())
