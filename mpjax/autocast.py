@@ -771,6 +771,21 @@ def _saved_for_backward(prim: Any, *_: Any, **params: Any) -> bool:
 _CACHE_SIZE = 32
 
 
+def _with_arrays(
+  fn: Callable[..., Any], leaves: list[Any], treedef: Any, dynamic: list[int]
+) -> Callable[..., Any]:
+  """``fn`` as a function of the array leaves at ``dynamic``; the other leaves stay as given."""
+
+  def flat_fn(*xs):
+    full = list(leaves)
+    for i, x in zip(dynamic, xs, strict=True):
+      full[i] = x
+    a, k = jax.tree.unflatten(treedef, full)
+    return fn(*a, **k)
+
+  return flat_fn
+
+
 def _trace(
   fn: Callable[..., Any], leaves: list[Any], treedef: Any, dynamic: list[int], cache: OrderedDict
 ) -> tuple[Any, Any, list[bool], dict[str, Any]]:
@@ -794,13 +809,7 @@ def _trace(
     cache.move_to_end(key)
     return hit
 
-  def flat_fn(*xs):
-    full = list(leaves)
-    for i, x in zip(dynamic, xs, strict=True):
-      full[i] = x
-    a, k = jax.tree.unflatten(treedef, full)
-    return fn(*a, **k)
-
+  flat_fn = _with_arrays(fn, leaves, treedef, dynamic)
   closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*(leaves[i] for i in dynamic))
   out_leaves, out_tree = jax.tree.flatten(out_shape)
   traced = closed, out_tree, [_castable(o.dtype) for o in out_leaves], {}

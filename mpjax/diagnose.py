@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import tree_util
 
-from mpjax.autocast import _INPUT, _check, _Ctx, _eval_closed, _is_array
+from mpjax.autocast import _INPUT, _check, _Ctx, _eval_closed, _is_array, _with_arrays
 from mpjax.policy import PRESETS, Policy
 
 __all__ = ["NonFiniteReport", "find_nonfinite", "suggest_rules", "grad_health"]
@@ -107,15 +107,8 @@ def _replay(
   leaves, treedef = jax.tree.flatten((args, kwargs))
   dynamic = [i for i, x in enumerate(leaves) if _is_array(x)]
 
-  def flat(*xs):
-    full = list(leaves)
-    for i, x in zip(dynamic, xs, strict=True):
-      full[i] = x
-    a, k = jax.tree.unflatten(treedef, full)
-    return fn(*a, **k)
-
   arrays = [jnp.asarray(leaves[i]) for i in dynamic]
-  closed = jax.make_jaxpr(flat)(*arrays)
+  closed = jax.make_jaxpr(_with_arrays(fn, leaves, treedef, dynamic))(*arrays)
   ops: list[_Op] = []
 
   def probe(eqn: Any, path: str, outs: list[Any]) -> None:
