@@ -39,6 +39,7 @@ import fnmatch
 import functools
 import logging
 import math
+import re
 from collections import Counter, OrderedDict, defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
@@ -283,8 +284,8 @@ class _Ctx:
   fp8: _Fp8Run | None = None
   # In a loop body: one history cannot follow a GEMM that runs many times.
   stateless: bool = False
-  # Called as probe(eqn, path, outs) after each equation (mpjax.diagnose's eager replay).
-  probe: Callable[[Any, str, list[Any]], None] | None = None
+  # Called as probe(eqn, path, invals, outs) after each equation (mpjax.diagnose's replay).
+  probe: Callable[[Any, str, list[Any], list[Any]], None] | None = None
 
   def scaled(self, repeat: float) -> _Ctx:
     return dataclasses.replace(self, repeat=self.repeat * repeat)
@@ -478,9 +479,20 @@ def _run_class(
   return outs
 
 
+def module_of(path: str) -> str:
+  """A name-stack path without JAX's transformation wrappers.
+
+  ``"transpose(jvp(MLP))/Dense_1"`` -> ``"MLP/Dense_1"``: what a module's
+  operations are called wherever they run (forward, backward, under ``vmap``).
+  """
+  return re.sub(r"[A-Za-z_]\w*\(|\)", "", path).strip("/")
+
+
 def _scope(ctx: _Ctx, path: str) -> Policy:
+  """The policy of the first rule whose glob matches ``path``, with or without its wrappers."""
+  module = module_of(path)
   for pattern, policy in ctx.rules.scopes:
-    if fnmatch.fnmatchcase(path, pattern):
+    if fnmatch.fnmatchcase(path, pattern) or fnmatch.fnmatchcase(module, pattern):
       return policy
   return ctx.policy
 
@@ -568,7 +580,7 @@ def _eval_jaxpr(
             _Record(path, cls, str(out_dtype), flops * ctx.repeat, lowered, ctx.repeat)
           )
     if ctx.probe is not None:
-      ctx.probe(eqn, path, outs)
+      ctx.probe(eqn, path, invals, outs)
     for v, x in zip(eqn.outvars, outs, strict=True):
       if not isinstance(v, jcore.DropVar):
         env[v] = (x, out_kind)

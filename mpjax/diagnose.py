@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -23,26 +22,31 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import tree_util
+from jax.extend import core as jcore
 
-from mpjax.autocast import _INPUT, _check, _Ctx, _eval_closed, _is_array, _with_arrays
+from mpjax.autocast import (
+  _INPUT,
+  _Ctx,
+  _eval_closed,
+  _is_array,
+  _parse_rules,
+  _with_arrays,
+  autocast,
+  module_of,
+)
 from mpjax.policy import PRESETS, Policy
 
-__all__ = ["NonFiniteReport", "find_nonfinite", "suggest_rules", "grad_health"]
+__all__ = ["NonFiniteReport", "find_nonfinite", "suggest_rules", "grad_health", "module_of"]
 
 _F32_POLICY = PRESETS["fp32"]
 
 
-def module_of(path: str) -> str:
-  """A name-stack path without JAX's transformation wrappers: what autocast rules match.
-
-  ``"transpose(jvp(MLP))/Dense_1"`` -> ``"MLP/Dense_1"``.
-  """
-  return re.sub(r"[A-Za-z_]\w*\(|\)", "", path).strip("/")
-
-
 def rule_for(module: str, primitive: str) -> dict[str, str]:
-  """The autocast rule that runs ``module`` (or, at the top level, ``primitive``) in f32."""
-  return {f"*{module}*": "fp32"} if module else {primitive: "fp32"}
+  """The autocast rules that run ``module`` and what is inside it (or, at the top level,
+  every ``primitive``) in f32."""
+  if not module:
+    return {primitive: "fp32"}
+  return {f"*{module}": "fp32", f"*{module}/*": "fp32"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,11 +61,13 @@ class NonFiniteReport:
     primitive: the JAX primitive, e.g. ``"dot_general"``.
     dtype: the dtype of its result under the policy, e.g. ``"float16"``.
     phase: ``"forward"`` or ``"backward"`` (an operation of the gradient).
-    shadow_max: the largest magnitude of the same result computed in f32.
+    shadow_max: the largest magnitude of the same operation's result computed
+      in f32 from the same inputs.
     dtype_max: the largest finite value of ``dtype``.
-    rule: an autocast ``rules`` dict that runs the module in f32, e.g.
-      ``{"*Model/attn*": "fp32"}`` (pass it as ``make_train_step(...,
-      autocast_rules=...)`` or ``config.autocast_rules``).
+    rule: autocast ``rules`` that run the module in f32, e.g.
+      ``{"*Model/attn": "fp32", "*Model/attn/*": "fp32"}`` (pass them as
+      ``make_train_step(..., autocast_rules=...)`` or
+      ``config.autocast_rules``).
     index: the operation's position in the replay (program order).
     policy: the policy it was replayed under.
   """
@@ -91,47 +97,98 @@ class NonFiniteReport:
 
 @dataclasses.dataclass(frozen=True)
 class _Op:
+  """One operation of a replay: where, what, and how its result compares with f32."""
+
+  index: int
   path: str
   primitive: str
   dtype: str
+  inputs_finite: bool
   finite: bool
-  max_abs: float
+  shadow: tuple[np.ndarray, ...] | None  # the result in f32 from the same inputs
   values: tuple[np.ndarray, ...]
 
 
+def _floating(x: Any) -> bool:
+  """A concrete floating array (a JAX array, or a literal's numpy value)."""
+  return (
+    isinstance(x, jax.Array | np.ndarray | np.generic)
+    and not isinstance(x, jax.core.Tracer)
+    and jnp.issubdtype(x.dtype, jnp.floating)
+  )
+
+
+def _f32_params(params: Mapping[str, Any]) -> dict[str, Any]:
+  """An equation's params with every half-precision result dtype made f32."""
+  out = dict(params)
+  for key in ("new_dtype", "preferred_element_type"):
+    dtype = out.get(key)
+    if dtype is not None and jnp.issubdtype(dtype, jnp.floating) and np.dtype(dtype).itemsize < 4:
+      out[key] = np.dtype(np.float32)
+  return out
+
+
+def _in_f32(eqn: Any, invals: list[Any]) -> tuple[np.ndarray, ...] | None:
+  """The equation's floating results computed in f32 from its inputs (None: not recomputable)."""
+  if any(isinstance(v, jcore.ClosedJaxpr | jcore.Jaxpr) for v in eqn.params.values()):
+    return None  # a call, loop or branch: its body is typed for the dtypes it was traced with
+  ins = [x.astype(jnp.float32) if _floating(x) else x for x in invals]
+  try:
+    params = eqn.primitive.get_bind_params(_f32_params(eqn.params))
+    outs = eqn.primitive.bind(*ins, **params)
+  except (TypeError, ValueError):
+    return None
+  outs = outs if eqn.primitive.multiple_results else [outs]
+  return tuple(np.asarray(o, np.float32) for o in outs if _floating(o))
+
+
 def _replay(
-  fn: Callable[..., Any], args: tuple, kwargs: dict, policy: Any, rules: Any, keep: bool
-) -> tuple[list[_Op], list[Any]]:
-  """Every operation of ``fn`` as autocast runs it under ``policy``, eagerly, in order."""
-  policy, parsed = _check(fn, policy, rules, "full")
+  fn: Callable[..., Any],
+  args: tuple,
+  kwargs: dict,
+  policy: Any,
+  rules: Any,
+  loss_scale: float | None,
+  shadow_all: bool,
+) -> tuple[list[_Op], Any]:
+  """Every operation of the program ``fn`` makes under ``policy``, run eagerly in order.
+
+  The program is ``autocast(fn)`` (without remat, so that each operation
+  runs here), or with ``loss_scale`` the gradient of its loss times the scale,
+  as :func:`mpjax.make_train_step` runs it. Each operation's result is checked;
+  its f32 shadow (the same operation on the same inputs in f32) is computed
+  for the first non-finite one, and for all with ``shadow_all``.
+  """
+  program = autocast(fn, policy, rules=rules, remat=False)
+  if loss_scale is not None:
+    scaled = program
+    program = jax.value_and_grad(lambda *a, **k: scaled(*a, **k) * loss_scale)
   leaves, treedef = jax.tree.flatten((args, kwargs))
   dynamic = [i for i, x in enumerate(leaves) if _is_array(x)]
-
   arrays = [jnp.asarray(leaves[i]) for i in dynamic]
-  closed = jax.make_jaxpr(_with_arrays(fn, leaves, treedef, dynamic))(*arrays)
+  closed = jax.make_jaxpr(_with_arrays(program, leaves, treedef, dynamic))(*arrays)
   ops: list[_Op] = []
+  first_found = False
 
-  def probe(eqn: Any, path: str, outs: list[Any]) -> None:
-    floats = [
-      o
-      for o in outs
-      if isinstance(o, jax.Array)
-      and not isinstance(o, jax.core.Tracer)
-      and jnp.issubdtype(o.dtype, jnp.floating)
-    ]
-    if not floats:
+  def probe(eqn: Any, path: str, invals: list[Any], outs: list[Any]) -> None:
+    nonlocal first_found
+    values = tuple(np.asarray(o, np.float32) for o in outs if _floating(o))
+    if not values:
       return
-    finite = all(bool(jnp.isfinite(o).all()) for o in floats)
-    max_abs = max(
-      float(jnp.max(jnp.abs(jnp.where(jnp.isfinite(o), o, 0).astype(jnp.float32))))
-      if o.size
-      else 0.0
-      for o in floats
+    inputs_finite = all(
+      np.isfinite(np.asarray(x, np.float32)).all() for x in invals if _floating(x)
     )
-    values = tuple(np.asarray(o, np.float32) for o in floats) if keep else ()
-    ops.append(_Op(path, eqn.primitive.name, str(floats[0].dtype), finite, max_abs, values))
+    finite = all(np.isfinite(v).all() for v in values)
+    first = inputs_finite and not finite and not first_found
+    first_found = first_found or first
+    shadow = _in_f32(eqn, invals) if (shadow_all or first) else None
+    dtype = next(str(o.dtype) for o in outs if _floating(o))
+    ops.append(
+      _Op(len(ops), path, eqn.primitive.name, dtype, inputs_finite, finite, shadow, values)
+    )
 
-  ctx = _Ctx(policy, parsed, "full", remat=False, probe=probe)
+  # The program runs as traced (an f32 policy changes no dtype), each operation on its own.
+  ctx = _Ctx(_F32_POLICY, _parse_rules(None), "full", remat=False, probe=probe)
   outs = _eval_closed(ctx, closed, arrays, [_INPUT] * len(arrays), "")
   return ops, outs
 
@@ -143,34 +200,64 @@ def _policy_name(policy: Any) -> str:
   return next((name for name, preset in PRESETS.items() if preset == policy), str(policy))
 
 
+def _report(op: _Op, policy: Any) -> NonFiniteReport | None:
+  """The report of a first non-finite operation, if f32 computes it finite."""
+  if op.shadow is None or not all(np.isfinite(v).all() for v in op.shadow):
+    return None  # f32 overflows too, or the operation cannot be recomputed: not precision
+  module = module_of(op.path)
+  dtype = np.dtype(op.dtype)
+  return NonFiniteReport(
+    module=module,
+    path=op.path,
+    primitive=op.primitive,
+    dtype=dtype.name,
+    phase="backward" if "transpose(" in op.path else "forward",
+    shadow_max=max(float(np.abs(v).max()) if v.size else 0.0 for v in op.shadow),
+    dtype_max=float(jnp.finfo(dtype).max),
+    rule=rule_for(module, op.primitive),
+    index=op.index,
+    policy=_policy_name(policy),
+  )
+
+
+def _first_report(ops: list[_Op], policy: Any) -> NonFiniteReport | None:
+  first = next((op for op in ops if op.inputs_finite and not op.finite), None)
+  return None if first is None else _report(first, policy)
+
+
 def find_nonfinite(
   fn: Callable[..., Any],
   *args: Any,
   policy: Policy | str = "mixed_fp16",
   rules: Mapping[str, str] | None = None,
+  loss_scale: float | None = None,
   **kwargs: Any,
 ) -> NonFiniteReport | None:
   """The first operation of ``fn`` that overflows under ``policy`` but not in f32, or ``None``.
 
-  ``fn`` is replayed eagerly, operation by operation, as :func:`mpjax.autocast`
-  runs it (with ``rules``), and again in f32; the first operation whose result
-  is inf or NaN in the policy's precision while its f32 shadow is finite is
-  reported. Pass a loss function to check the forward pass, and
-  ``jax.value_and_grad`` of it (of the loss times the loss scale, as a train
-  step differentiates it) to check the backward pass too. Operations inside
-  ``scan``, ``while`` and ``cond`` bodies are checked as the whole loop or
-  branch.
+  The program :func:`mpjax.autocast` makes of ``fn`` (with ``rules``) runs
+  eagerly, operation by operation, and each result is checked; the first that
+  is inf or NaN while its inputs are finite is computed again in f32 from the
+  same inputs (its *shadow*), and reported if that is finite. With
+  ``loss_scale``, ``fn`` is a loss and the program is its gradient with
+  respect to the first argument, of the loss times ``loss_scale``, exactly as
+  :func:`mpjax.make_train_step` differentiates it: the backward pass runs in
+  the dtypes it has there. Without, ``fn`` runs as given (pass
+  ``jax.value_and_grad`` of a loss to check an f32 program's gradient under
+  autocast). An overflow inside a ``scan``, ``while`` or ``cond`` body is not
+  pinpointed.
 
   Args:
-    fn: the function, e.g. ``jax.value_and_grad(lambda p, b: loss_fn(p, b) * 2.0**15)``.
+    fn: the function: a loss (with ``loss_scale``), or any function.
     *args: its arguments (concrete arrays: it runs).
     policy: the mixed policy to check.
     rules: autocast rules already in use.
+    loss_scale: check the train step's gradient at this loss scale.
     **kwargs: its keyword arguments.
 
   Returns:
-    A :class:`NonFiniteReport` (``print`` it), or ``None`` when every value
-    that is finite in f32 is finite under the policy.
+    A :class:`NonFiniteReport` (``print`` it), or ``None`` when nothing
+    overflows that f32 computes finite.
 
   Example:
     >>> import jax, jax.numpy as jnp, mpjax
@@ -179,29 +266,12 @@ def find_nonfinite(
     ...     h = (x @ w) * 1000.0
     ...   return jnp.mean(h * 1e-3)
     >>> w, x = jnp.full((4, 4), 30.0), jnp.full((2, 4), 1.0)
-    >>> report = mpjax.find_nonfinite(loss, w, x, policy="mixed_fp16")
-    >>> report.module, report.primitive, report.phase, report.rule
-    ('blowup', 'mul', 'forward', {'*blowup*': 'fp32'})
+    >>> report = mpjax.find_nonfinite(loss, w, x, policy="mixed_fp16", loss_scale=2.0**15)
+    >>> report.module, report.primitive, report.phase, report.rule["*blowup"]
+    ('blowup', 'mul', 'forward', 'fp32')
   """
-  low, _ = _replay(fn, args, kwargs, policy, rules, keep=False)
-  shadow, _ = _replay(fn, args, kwargs, _F32_POLICY, None, keep=False)
-  for index, (lo, sh) in enumerate(zip(low, shadow, strict=False)):
-    if not lo.finite and sh.finite:
-      module = module_of(lo.path)
-      dtype = np.dtype(lo.dtype)
-      return NonFiniteReport(
-        module=module,
-        path=lo.path,
-        primitive=lo.primitive,
-        dtype=dtype.name,
-        phase="backward" if "transpose(" in lo.path else "forward",
-        shadow_max=sh.max_abs,
-        dtype_max=float(jnp.finfo(dtype).max) if jnp.issubdtype(dtype, jnp.floating) else math.inf,
-        rule=rule_for(module, lo.primitive),
-        index=index,
-        policy=_policy_name(policy),
-      )
-  return None
+  ops, _ = _replay(fn, args, kwargs, policy, rules, loss_scale, shadow_all=False)
+  return _first_report(ops, policy)
 
 
 def _relative_error(low: Any, ref: Any) -> float:
@@ -211,6 +281,8 @@ def _relative_error(low: Any, ref: Any) -> float:
     if not jnp.issubdtype(jnp.asarray(b).dtype, jnp.floating):
       continue
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    if not a.size:
+      continue
     if not np.isfinite(a).all():
       return math.inf
     norm = np.linalg.norm(b)
@@ -218,16 +290,14 @@ def _relative_error(low: Any, ref: Any) -> float:
   return worst
 
 
-def _module_errors(low: list[_Op], shadow: list[_Op]) -> dict[str, float]:
-  """Per forward module, the largest relative error of its operations' results against f32."""
+def _module_errors(ops: list[_Op]) -> dict[str, float]:
+  """Per module, the largest error its operations add: their result against their f32 shadow."""
   errors: dict[str, float] = {}
-  for lo, sh in zip(low, shadow, strict=False):
-    module = module_of(lo.path)
-    if not module or "transpose(" in lo.path:
+  for op in ops:
+    module = module_of(op.path)
+    if not module or op.shadow is None or len(op.shadow) != len(op.values):
       continue
-    error = max(
-      (_relative_error(a, b) for a, b in zip(lo.values, sh.values, strict=False)), default=0.0
-    )
+    error = _relative_error(op.values, op.shadow)
     errors[module] = max(errors.get(module, 0.0), error)
   return errors
 
@@ -237,28 +307,30 @@ def suggest_rules(
   *args: Any,
   policy: Policy | str = "mixed_fp16",
   tolerance: float = 1e-2,
+  loss_scale: float | None = None,
   max_rules: int = 8,
   **kwargs: Any,
 ) -> dict[str, str]:
   """The autocast rules that make ``fn`` finite and within ``tolerance`` of f32 under ``policy``.
 
-  Starting from no rules, it repeatedly replays ``fn`` (see
-  :func:`find_nonfinite`): while an operation overflows, it adds the rule that
-  runs that operation's module in f32; once every output is finite, while the
-  outputs' largest relative error against f32 exceeds ``tolerance``, it adds
-  the module whose results deviate most from f32. Deterministic for the same
-  inputs; a greedy search, so "smallest" means: no rule is added that was not
-  needed at the time.
+  Starting from no rules, it replays the program (see :func:`find_nonfinite`):
+  while an operation overflows, it adds the rules that run that operation's
+  module in f32; once every output is finite, while the outputs' largest
+  relative error against the f32 program exceeds ``tolerance``, it adds the
+  module whose operations add the largest error (each operation's result
+  against the same operation in f32 on the same inputs). Deterministic for the
+  same inputs; a greedy search, so "smallest" means: no rule is added that was
+  not needed at the time.
 
   Args:
-    fn: as for :func:`find_nonfinite`; pass ``jax.value_and_grad`` of the
-      (scaled) loss so that the loss and its gradients are held to
-      ``tolerance``.
+    fn: as for :func:`find_nonfinite`: a loss with ``loss_scale`` (its value
+      and gradients are held to ``tolerance``), or any function.
     *args: its arguments.
     policy: the mixed policy.
     tolerance: the largest relative error (Frobenius norm, per output leaf)
       accepted against f32.
-    max_rules: stop after this many rules.
+    loss_scale: check the train step's gradient at this loss scale.
+    max_rules: stop after this many modules.
     **kwargs: its keyword arguments.
 
   Returns:
@@ -275,38 +347,31 @@ def suggest_rules(
     ...     h = (x @ w) * 1000.0
     ...   return jnp.mean(h * 1e-3)
     >>> w, x = jnp.full((4, 4), 30.0), jnp.full((2, 4), 1.0)
-    >>> mpjax.suggest_rules(jax.value_and_grad(loss), w, x)
-    {'*blowup*': 'fp32'}
+    >>> mpjax.suggest_rules(loss, w, x, loss_scale=2.0**15)
+    {'*blowup': 'fp32', '*blowup/*': 'fp32'}
   """
   if not tolerance > 0:
     raise ValueError(f"suggest_rules: tolerance={tolerance!r} must be positive, e.g. 1e-2.")
-  shadow_ops, reference = _replay(fn, args, kwargs, _F32_POLICY, None, keep=True)
+  _, reference = _replay(fn, args, kwargs, _F32_POLICY, None, loss_scale, shadow_all=False)
   rules: dict[str, str] = {}
-  for _ in range(max_rules + 1):
-    ops, outs = _replay(fn, args, kwargs, policy, rules, keep=True)
-    report = next(
-      (
-        (lo, i)
-        for i, (lo, sh) in enumerate(zip(ops, shadow_ops, strict=False))
-        if not lo.finite and sh.finite
-      ),
-      None,
-    )
+  modules = 0
+  while modules < max_rules:
+    ops, outs = _replay(fn, args, kwargs, policy, rules, loss_scale, shadow_all=False)
+    report = _first_report(ops, policy)
     if report is not None:
-      lo, _ = report
-      new = rule_for(module_of(lo.path), lo.primitive)
+      new = dict(report.rule)
     elif _relative_error(outs, reference) > tolerance:
-      errors = _module_errors(ops, shadow_ops)
-      candidates = {m: e for m, e in errors.items() if f"*{m}*" not in rules}
-      if not candidates:
+      ops, _ = _replay(fn, args, kwargs, policy, rules, loss_scale, shadow_all=True)
+      errors = {m: e for m, e in _module_errors(ops).items() if f"*{m}" not in rules}
+      if not errors:
         break
-      worst = max(sorted(candidates), key=lambda m: candidates[m])
-      new = rule_for(worst, "")
+      new = rule_for(max(sorted(errors), key=lambda m: errors[m]), "")
     else:
-      return rules
-    if set(new) <= set(rules) or len(rules) >= max_rules:
+      break
+    if set(new) <= set(rules):
       break
     rules.update(new)
+    modules += 1
   return rules
 
 
@@ -334,10 +399,11 @@ def grad_health(
     ``{module path: figures}``, the path being the leaves' key path without
     the last key (``"params/Dense_0"``); figures (scalars): ``zero`` (share of
     entries exactly 0), ``underflow`` (share of non-zero entries that ``dtype``
-    flushes to 0: below half its smallest subnormal), ``subnormal`` (share of
-    non-zero entries below its smallest normal, where precision is lost),
-    ``overflow`` (share beyond its largest finite value), ``max`` (the
-    largest magnitude), ``nonfinite`` (count of inf/NaN entries).
+    casts to 0), ``subnormal`` (share of non-zero entries below its smallest
+    normal, where precision is lost), ``overflow`` (share of finite entries
+    that ``dtype`` casts to inf), ``max`` (the largest finite magnitude),
+    ``nonfinite`` (count of inf/NaN entries). Shares are of all the module's
+    entries.
 
   Example:
     >>> import jax.numpy as jnp, mpjax
@@ -346,10 +412,7 @@ def grad_health(
     >>> float(health["zero"]), float(health["underflow"]), float(health["subnormal"])
     (0.25, 0.25, 0.5)
   """
-  info = jnp.finfo(dtype)
-  tiny = float(info.smallest_subnormal)
-  normal = float(info.smallest_normal)
-  big = float(info.max)
+  normal = float(jnp.finfo(dtype).smallest_normal)
   groups: dict[str, list[jax.Array]] = {}
   for key_path, leaf in tree_util.tree_flatten_with_path(grads)[0]:
     if hasattr(leaf, "dtype") and jnp.issubdtype(leaf.dtype, jnp.floating):
@@ -363,11 +426,12 @@ def grad_health(
     n = max(g.size, 1)
     finite = jnp.isfinite(g)
     nonzero = (a > 0) & finite
+    cast = g.astype(dtype)  # what the dtype makes of each entry
     health[module] = {
       "zero": jnp.sum(a == 0) / n,
-      "underflow": jnp.sum(nonzero & (a < tiny / 2)) / n,
+      "underflow": jnp.sum(nonzero & (cast == 0)) / n,
       "subnormal": jnp.sum(nonzero & (a < normal)) / n,
-      "overflow": jnp.sum(finite & (a > big)) / n,
+      "overflow": jnp.sum(finite & jnp.isinf(cast)) / n,
       "max": jnp.max(jnp.where(finite, a, 0.0)),
       "nonfinite": jnp.sum(~finite),
     }

@@ -393,18 +393,16 @@ class Experiment:
     )
     return jax.jit(step, donate_argnums=0)
 
-  def scaled_grad_fn(self, state: TrainState, batch: Any) -> Callable[[Any], Any]:
-    """``params -> (scaled loss, gradients)`` of f32 code: what :mod:`mpjax.diagnose` replays.
+  def diagnosis(self, state: TrainState, batch: Any) -> dict[str, Any]:
+    """The arguments :func:`mpjax.find_nonfinite` and :func:`mpjax.suggest_rules` take to
+    replay this state's train step on ``batch``: ``fn`` (``params -> loss``),
+    ``args``, ``policy``, ``loss_scale``."""
 
-    The loss is multiplied by the state's loss scale, as the train step's
-    backward pass sees it; ``model_state`` and ``batch`` are fixed.
-    """
-    scale = state.loss_scale.loss_scale
+    def loss(params):
+      return self.loss_fn(params, state.model_state, batch)[0]
 
-    def scaled_loss(params):
-      return self.loss_fn(params, state.model_state, batch)[0] * scale
-
-    return jax.value_and_grad(scaled_loss)
+    scale = float(state.loss_scale.loss_scale)
+    return {"fn": loss, "args": (state.params,), "policy": self.policy, "loss_scale": scale}
 
   @functools.cached_property
   def health_fn(self) -> Callable[[TrainState, Any], dict[str, dict[str, jax.Array]]]:
@@ -621,8 +619,8 @@ def _autoprecision(exp: Experiment) -> Experiment:
     return exp
   state = exp.init_state()
   batch = exp.put_batch(exp.dataset.batch(0, exp.config.batch_size, exp.config.seed))
-  fn = exp.scaled_grad_fn(state, batch)
-  found = suggest_rules(fn, state.params, policy=exp.policy)
+  d = exp.diagnosis(state, batch)
+  found = suggest_rules(d["fn"], *d["args"], policy=d["policy"], loss_scale=d["loss_scale"])
   rules = {**exp.rules, **found}
   if jax.process_index() == 0:
     print(
@@ -676,8 +674,10 @@ def _diverged_message(
   """What stopped the run, the operation that overflows on its last batch, and what to try."""
   report = None
   if exp.policy.is_mixed:
-    fn = exp.scaled_grad_fn(state, batch)
-    report = find_nonfinite(fn, state.params, policy=exp.policy, rules=exp.rules or None)
+    d = exp.diagnosis(state, batch)
+    report = find_nonfinite(
+      d["fn"], *d["args"], policy=d["policy"], rules=exp.rules or None, loss_scale=d["loss_scale"]
+    )
   if report is not None:
     cause = f'{report}\nPut it in the config: --config.autocast_rules="{dict(report.rule)!r}".'
   else:
@@ -937,10 +937,13 @@ def diagnose(
     target = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
     with ocp.CheckpointManager(path / "checkpoints") as manager:
       state = manager.restore(source, args=ocp.args.StandardRestore(target))
-  fn = exp.scaled_grad_fn(state, batch)
-  rules = exp.rules or None
-  report = find_nonfinite(fn, state.params, policy=exp.policy, rules=rules)
-  suggested = suggest_rules(fn, state.params, policy=exp.policy) if exp.policy.is_mixed else {}
+  d = exp.diagnosis(state, batch)
+  report = find_nonfinite(
+    d["fn"], *d["args"], policy=d["policy"], rules=exp.rules or None, loss_scale=d["loss_scale"]
+  )
+  suggested = {}
+  if exp.policy.is_mixed:
+    suggested = suggest_rules(d["fn"], *d["args"], policy=d["policy"], loss_scale=d["loss_scale"])
   where = f"the checkpoint of step {source} in {path}" if saved else "the initial state"
   lines = [
     f"Replayed the train step of {config.name} [{config.policy}] on the batch of step {step}, "
