@@ -85,13 +85,21 @@ class NonFiniteReport:
 
   def __str__(self) -> str:
     where = f"module `{self.module}`" if self.module else "the top level"
+    if self.module:
+      effect = (
+        "runs that module in f32 (mapping it to 'mixed_bf16' instead keeps it in half "
+        "precision with f32's range)"
+      )
+    else:
+      effect = (
+        f"runs every `{next(iter(self.rule))}` in f32 (the operation is in no module: a "
+        "jax.named_scope around it lets a rule name it alone)"
+      )
     return (
       f"The first value that is not finite under {self.policy} comes from `{self.primitive}` "
       f"in {where} ({self.phase} pass, operation {self.index}): its {self.dtype} result "
       f"overflows (largest finite {self.dtype_max:.6g}) where f32 computes it finite, up to "
-      f"{self.shadow_max:.4g}.\n"
-      f"Fix: autocast_rules={dict(self.rule)!r} runs that module in f32 (mapping it to "
-      "'mixed_bf16' instead keeps it in half precision with f32's range)."
+      f"{self.shadow_max:.4g}.\nFix: autocast_rules={dict(self.rule)!r} {effect}."
     )
 
 
@@ -102,11 +110,18 @@ class _Op:
   index: int
   path: str
   primitive: str
+  source: str | None  # the primitive that made its first input
   dtype: str
   inputs_finite: bool
   finite: bool
   shadow: tuple[np.ndarray, ...] | None  # the result in f32 from the same inputs
   values: tuple[np.ndarray, ...]
+
+
+# Operations that only move or lay out a value: its maker is what made their input.
+_MOVES = frozenset(
+  "optimization_barrier reshape transpose copy copy_p squeeze expand_dims broadcast_in_dim".split()
+)
 
 
 def _floating(x: Any) -> bool:
@@ -169,23 +184,25 @@ def _replay(
   closed = jax.make_jaxpr(_with_arrays(program, leaves, treedef, dynamic))(*arrays)
   ops: list[_Op] = []
   first_found = False
+  made_by: dict[Any, str] = {}
 
   def probe(eqn: Any, path: str, invals: list[Any], outs: list[Any]) -> None:
     nonlocal first_found
+    name = eqn.primitive.name
+    source = next((made_by.get(v) for v in eqn.invars if not isinstance(v, jcore.Literal)), None)
+    # What made a value, seen through the ops that only move it.
+    made_by.update({v: source if name in _MOVES and source else name for v in eqn.outvars})
     values = tuple(np.asarray(o, np.float32) for o in outs if _floating(o))
     if not values:
       return
-    inputs_finite = all(
-      np.isfinite(np.asarray(x, np.float32)).all() for x in invals if _floating(x)
-    )
+    floats = [np.asarray(x, np.float32) for x in invals if _floating(x)]
+    inputs_finite = all(np.isfinite(x).all() for x in floats)
     finite = all(np.isfinite(v).all() for v in values)
     first = inputs_finite and not finite and not first_found
     first_found = first_found or first
     shadow = _in_f32(eqn, invals) if (shadow_all or first) else None
     dtype = next(str(o.dtype) for o in outs if _floating(o))
-    ops.append(
-      _Op(len(ops), path, eqn.primitive.name, dtype, inputs_finite, finite, shadow, values)
-    )
+    ops.append(_Op(len(ops), path, name, source, dtype, inputs_finite, finite, shadow, values))
 
   # The program runs as traced (an f32 policy changes no dtype), each operation on its own.
   ctx = _Ctx(_F32_POLICY, _parse_rules(None), "full", remat=False, probe=probe)
@@ -206,6 +223,9 @@ def _report(op: _Op, policy: Any) -> NonFiniteReport | None:
     return None  # f32 overflows too, or the operation cannot be recomputed: not precision
   module = module_of(op.path)
   dtype = np.dtype(op.dtype)
+  # Outside any module a rule can only name a primitive; a cast that overflows is fixed
+  # by the one that made its input (a GEMM accumulated in f32, then cast down).
+  culprit = op.source if op.primitive == "convert_element_type" and op.source else op.primitive
   return NonFiniteReport(
     module=module,
     path=op.path,
@@ -214,7 +234,7 @@ def _report(op: _Op, policy: Any) -> NonFiniteReport | None:
     phase="backward" if "transpose(" in op.path else "forward",
     shadow_max=max(float(np.abs(v).max()) if v.size else 0.0 for v in op.shadow),
     dtype_max=float(jnp.finfo(dtype).max),
-    rule=rule_for(module, op.primitive),
+    rule=rule_for(module, culprit),
     index=op.index,
     policy=_policy_name(policy),
   )
@@ -320,7 +340,8 @@ def suggest_rules(
   module whose operations add the largest error (each operation's result
   against the same operation in f32 on the same inputs). Deterministic for the
   same inputs; a greedy search, so "smallest" means: no rule is added that was
-  not needed at the time.
+  not needed at the time. An overflow that a module's rule does not remove
+  leaves ``{"*": "fp32"}``: the whole function in f32.
 
   Args:
     fn: as for :func:`find_nonfinite`: a loss with ``loss_scale`` (its value
@@ -368,7 +389,8 @@ def suggest_rules(
       new = rule_for(max(sorted(errors), key=lambda m: errors[m]), "")
     else:
       break
-    if set(new) <= set(rules):
+    if set(new) <= set(rules):  # its rule did not help: only f32 everywhere is left
+      rules = {"*": "fp32"}
       break
     rules.update(new)
     modules += 1
