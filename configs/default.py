@@ -26,7 +26,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.checkpoint_every = 200  # steps between checkpoints; 0 means only at the end
   config.num_devices = 0  # data-parallel devices; 0 means all local devices
   config.run_dir = ""  # checkpoints and metrics; "" means runs/<config name>
-  config.autocast_rules = "{}"  # autocast rules, a dict literal: "{'*attn*': 'fp32'}" (see diagnose)
+  config.autocast_rules = "{}"  # autocast rules as a dict literal, e.g. "{'*attn*': 'fp32'}"
   config.autoprecision = False  # before training, pick autocast_rules with mpjax.suggest_rules
   config.health_every = 0  # steps between gradient-health records (mpjax.grad_health); 0: never
   config.stop_after_skips = 100  # stop a run that skipped this many steps in a row; 0: never
