@@ -47,7 +47,13 @@ from mpjax import models
 from mpjax.autocast import autocast
 from mpjax.diagnose import find_nonfinite, grad_health, suggest_rules
 from mpjax.loss_scale import DynamicLossScale, LossScale, NoOpLossScale
-from mpjax.policy import POLICY_ENV_VAR, Policy, _cpu_has_native_bf16_dot, get_policy
+from mpjax.policy import (
+  POLICY_ENV_VAR,
+  Policy,
+  _cpu_has_native_bf16_dot,
+  _cpuinfo,
+  get_policy,
+)
 from mpjax.train_state import TrainState
 from mpjax.train_step import init_fp8_state, make_train_step
 
@@ -1021,13 +1027,6 @@ def _device_description() -> str:
   )
   native = "with" if _cpu_has_native_bf16_dot() else "without"
   return f"{model}, {native} native bf16 dot instructions"
-
-
-def _cpuinfo() -> str:
-  try:
-    return pathlib.Path("/proc/cpuinfo").read_text()
-  except OSError:
-    return ""
 
 
 def _step_time_spread(run_dir: pathlib.Path) -> float:

@@ -171,14 +171,18 @@ _KEYS = {
 }
 
 
-def _cpu_has_native_bf16_dot() -> bool:
-  """Whether this x86 CPU has bf16 dot-product instructions (AVX512-BF16 or AMX)."""
+def _cpuinfo() -> str:
+  """The text of ``/proc/cpuinfo`` (empty where there is none)."""
   try:
     with open("/proc/cpuinfo") as f:
-      flags = f.read()
+      return f.read()
   except OSError:
-    return False
-  return any(flag in flags.split() for flag in ("avx512_bf16", "amx_bf16"))
+    return ""
+
+
+def _cpu_has_native_bf16_dot() -> bool:
+  """Whether this x86 CPU has bf16 dot-product instructions (AVX512-BF16 or AMX)."""
+  return any(flag in _cpuinfo().split() for flag in ("avx512_bf16", "amx_bf16"))
 
 
 def _auto_policy() -> tuple[Policy, str]:

@@ -89,3 +89,31 @@ def test_checkpoint_round_trip_of_a_trained_state():
   step = jax.jit(mpjax.make_train_step(loss_fn))
   state, _ = step(_state(), BATCH)
   mt.assert_checkpoint_round_trip(state)
+
+
+@pytest.mark.parametrize("fault", ["value", "dtype"])
+def test_checkpoint_round_trip_names_a_leaf_the_checkpoint_lost(fault, monkeypatch):
+  """A checkpointer that brings one leaf back changed (its value, or its dtype) is caught."""
+  import orbax.checkpoint as ocp
+
+  step = jax.jit(mpjax.make_train_step(loss_fn))
+  state, _ = step(_state(), BATCH)
+  restore = ocp.StandardCheckpointer.restore
+
+  def lossy(self, path, target):
+    restored = restore(self, path, target)
+    kernel = restored.params["params"]["body"]["kernel"]
+    kernel = kernel.at[0, 0].add(1.0) if fault == "value" else kernel.astype(jnp.bfloat16)
+    params = {
+      "params": {
+        **restored.params["params"],
+        "body": {**restored.params["params"]["body"], "kernel": kernel},
+      }
+    }
+    return restored.replace(params=params)
+
+  mt.assert_checkpoint_round_trip(state)  # the premise: the real checkpointer loses nothing
+  monkeypatch.setattr(ocp.StandardCheckpointer, "restore", lossy)
+  reason = "values differ" if fault == "value" else "float32.* saved, bfloat16.* restored"
+  with pytest.raises(AssertionError, match=rf"\['body'\]\['kernel'\] did not survive.*{reason}"):
+    mt.assert_checkpoint_round_trip(state)
