@@ -172,6 +172,7 @@ class _Instr:
 _HEADER = re.compile(r"^\s*(?:ENTRY\s+)?%?([^\s(={}]+)\s*(?:\(.*\)\s*->\s*.*)?\{\s*$")
 _START = re.compile(r"^\s*(?:ROOT\s+)?%?([^\s=(){},\"]+)\s*=\s*(\(|[a-z][a-z0-9]*\[|token\[)")
 _ARRAY = re.compile(r"([a-z][a-z0-9]*)\[([0-9,]*)\]")
+_COMMENT = re.compile(r"/\*.*?\*/")
 
 
 def _close(text: str, start: int) -> int:
@@ -233,7 +234,7 @@ def _parse_instr(text: str) -> _Instr | None:
   close = _close(rest, op.end() - 1)
   operands = []
   for piece in _split_top(rest[op.end() : close - 1]):
-    tokens = piece.split()
+    tokens = _COMMENT.sub("", piece).split()  # every fifth operand is marked /*index=N*/
     operand_type = " ".join(tokens[:-1]) if len(tokens) > 1 else None
     operands.append((tokens[-1].lstrip("%"), operand_type))
   attrs = {}

@@ -44,20 +44,25 @@ class Block(nn.Module):
 
 
 class LM(nn.Module):
+  d: int = 256
+  layers: int = 2
+
   @nn.compact
   def __call__(self, tokens):
-    x = nn.Embed(256, 256)(tokens)
-    for _ in range(2):
-      x = Block(256, 4)(x)
+    x = nn.Embed(256, self.d)(tokens)
+    for _ in range(self.layers):
+      x = Block(self.d, self.d // 64)(x)
     return nn.Dense(256)(nn.LayerNorm()(x))
 
 
-def _lm_step(policy, *, skip_nonfinite=None, peer=False):
-  """(donating jitted AdamW step with clipping, abstract state, abstract batch)."""
-  model = LM()
-  batch = {"x": jax.ShapeDtypeStruct((8, 128), jnp.int32)}
+def _lm_step(
+  policy, *, skip_nonfinite=None, peer=False, max_grad_norm=1.0, d=256, layers=2, seq=128
+):
+  """(donating jitted AdamW step, with clipping by default; abstract state, abstract batch)."""
+  model = LM(d, layers)
+  batch = {"x": jax.ShapeDtypeStruct((8, seq), jnp.int32)}
   batch["y"] = batch["x"]
-  params = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((8, 128), jnp.int32)))
+  params = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((8, seq), jnp.int32)))
   cast = jax.tree.map if peer else None
 
   def loss_fn(p, b):
@@ -67,7 +72,9 @@ def _lm_step(policy, *, skip_nonfinite=None, peer=False):
     return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
 
   kw = dict(autocast=False, cast_params=False) if peer else {}
-  step = mpjax.make_train_step(loss_fn, max_grad_norm=1.0, skip_nonfinite=skip_nonfinite, **kw)
+  step = mpjax.make_train_step(
+    loss_fn, max_grad_norm=max_grad_norm, skip_nonfinite=skip_nonfinite, **kw
+  )
   state = jax.eval_shape(
     lambda p: mpjax.TrainState.create(
       apply_fn=model.apply, params=p, tx=optax.adamw(1e-3), policy=policy
@@ -86,14 +93,18 @@ def reports():
     "mixed_fp16": ("mixed_fp16", {}),  # dynamic loss scale: checked
     "mixed_fp16 unchecked": ("mixed_fp16", {"skip_nonfinite": False}),
     "peer": ("fp32", {"peer": True}),
+    # Without clipping, only the finite check reads the gradients a second time.
+    "mixed_bf16 no clip": ("mixed_bf16", {"max_grad_norm": None}),
+    "mixed_bf16 no clip checked": ("mixed_bf16", {"max_grad_norm": None, "skip_nonfinite": True}),
   }
   out = {}
+  issue_lm = dict(d=512, layers=4, seq=256)  # the LM the GPU targets were set on
   for name, (policy, kw) in variants.items():
     if name == "mixed_fp16 unchecked":
-      step, state, batch = _lm_step(policy, skip_nonfinite=False)
+      step, state, batch = _lm_step(policy, skip_nonfinite=False, **issue_lm)
       state = state.replace(loss_scale=mpjax.StaticLossScale(1.0))
     else:
-      step, state, batch = _lm_step(policy, **kw)
+      step, state, batch = _lm_step(policy, **kw, **issue_lm)
     out[name] = mpjax.kernel_report(step, state, batch, target="h100")
   return out
 
@@ -113,7 +124,7 @@ def test_every_target_compiles_a_bf16_gemm_to_cublaslt(target):
 def test_mixed_bf16_step_moves_fewer_bytes_in_about_as_many_kernels_as_fp32(reports):
   fp32, bf16, peer = reports["fp32"], reports["mixed_bf16"], reports["peer"]
   assert bf16.count <= 1.05 * fp32.count, (bf16.count, fp32.count)
-  assert bf16.bytes_moved <= 0.7 * fp32.bytes_moved, bf16.bytes_moved / fp32.bytes_moved
+  assert bf16.bytes_moved <= 0.65 * fp32.bytes_moved, bf16.bytes_moved / fp32.bytes_moved
   assert bf16.estimated_seconds < 0.75 * fp32.estimated_seconds
   assert bf16.count < peer.count  # the peer converts every weight twice
   assert bf16.temp_bytes < fp32.temp_bytes
@@ -129,6 +140,7 @@ def test_mixed_bf16_step_moves_fewer_bytes_in_about_as_many_kernels_as_fp32(repo
   [
     ("mixed_bf16 checked", "mixed_bf16"),
     ("mixed_fp16", "mixed_fp16 unchecked"),
+    ("mixed_bf16 no clip checked", "mixed_bf16 no clip"),
   ],
 )
 def test_a_checked_step_costs_no_conditional_and_no_copy_of_the_state(reports, checked, unchecked):
@@ -137,6 +149,15 @@ def test_a_checked_step_costs_no_conditional_and_no_copy_of_the_state(reports, c
   assert checked.by_kind["conditional"] == 0
   assert checked.copy_bytes <= unchecked.copy_bytes  # no copy of params or optimizer state
   assert checked.bytes_moved <= 1.05 * unchecked.bytes_moved
+
+
+def test_a_kernel_moves_the_bytes_of_every_operand_and_result():
+  # Eight f32 arrays summed in one fusion: XLA prints its sixth operand as
+  # "/*index=5*/%p5", which the byte count once dropped.
+  arrays = [jax.ShapeDtypeStruct((1024, 1024), jnp.float32)] * 8
+  report = mpjax.kernel_report(lambda *xs: sum(xs[1:], xs[0]), *arrays, target="h100")
+  assert report.count == 1
+  assert report.bytes_moved == 9 * 1024 * 1024 * 4  # 8 read, 1 written
 
 
 def test_unknown_target_and_backend_are_refused_with_the_choices():
