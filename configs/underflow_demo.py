@@ -1,8 +1,8 @@
 """fp16 gradients that underflow unless the loss is scaled (mpjax.data.load_underflow_task).
 
-    mpjax train underflow_demo --config.loss_scale=none     # fp16 unscaled: stays at chance
-    mpjax train underflow_demo                              # dynamic loss scaling: learns
-    mpjax train underflow_demo --config.policy=fp32         # the reference
+mpjax train underflow_demo --config.loss_scale=none     # fp16 unscaled: stays at chance
+mpjax train underflow_demo                              # dynamic loss scaling: learns
+mpjax train underflow_demo --config.policy=fp32         # the reference
 """
 
 import ml_collections

@@ -282,6 +282,24 @@ def test_aux_and_clipping():
   np.testing.assert_allclose(update_norm, 0.5 * 1e-3, rtol=1e-3)  # sgd(0.5) x clipped norm
 
 
+@pytest.mark.parametrize("leaves", [0, 3, 150])  # 150: three fused groups of at most 64
+def test_the_gpu_gradient_norm_is_the_global_norm_and_sees_every_non_finite_leaf(leaves):
+  from mpjax.train_step import _grad_norm
+
+  keys = jax.random.split(jax.random.key(0), max(leaves, 1))
+  # Sizes around the norm's 1024-wide rows: one short of, equal to and past a row.
+  grads = {f"g{i}": jax.random.normal(keys[i], (1023 + i % 3, 1 + i % 2)) for i in range(leaves)}
+  gpu_norm = jax.jit(_grad_norm, static_argnums=1)
+  want = np.sqrt(sum(np.sum(np.asarray(g, np.float64) ** 2) for g in grads.values()))
+  np.testing.assert_allclose(gpu_norm(grads, "gpu"), want, rtol=1e-5)
+  np.testing.assert_allclose(gpu_norm(grads, "gpu"), optax.tree.norm(grads), rtol=1e-5)
+  if leaves:  # a non-finite value in the last group's last leaf reaches the norm
+    last = f"g{leaves - 1}"
+    for bad in (jnp.inf, jnp.nan):
+      poisoned = {**grads, last: grads[last].at[-1, -1].set(bad)}
+      assert not np.isfinite(gpu_norm(poisoned, "gpu"))
+
+
 def test_step_runs_eagerly_and_keeps_callers_params_under_donation():
   params = _params()
   state = mpjax.TrainState.create(
