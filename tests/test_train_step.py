@@ -189,7 +189,10 @@ def test_policy_change_recompiles_with_new_dtypes():
   assert "bf16" in hlo_bf16 and "bf16" not in hlo_f32
 
 
-def test_inf_in_one_batch_skips_the_step_bit_identically():
+@pytest.mark.parametrize("program", ["cpu", "gpu"])
+def test_inf_in_one_batch_skips_the_step_bit_identically(program, monkeypatch):
+  if program == "gpu":  # the step XLA:GPU gets (fused norm, selected update), run here
+    monkeypatch.setattr("mpjax.train_step.lowering_platform", lambda *trees: "gpu")
   batch = _batch()
   state = _state("mixed_fp16", optax.adam(1e-2))
   step = jax.jit(mpjax.make_train_step(loss_fn), donate_argnums=0)
