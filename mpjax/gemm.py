@@ -209,30 +209,40 @@ def backward_gemms(
   """The two GEMMs of a ``dot_general``'s gradient, from compute-dtype ``g``, ``lhs``, ``rhs``.
 
   Each accumulates in f32 and returns its operand's dtype (``lhs_dtype``,
-  ``rhs_dtype``: f32 for an f32 master weight).
+  ``rhs_dtype``: f32 for an f32 master weight). On a CPU each GEMM writes f32,
+  its fast kernel's result, so an f32 master's gradient keeps f32 precision.
+  Elsewhere (GPU, TPU) a bf16 GEMM writes bf16 (cuBLASLt accumulates it in f32
+  all the same) and an f32 master's gradient is that result widened, the convert
+  fused into the optimizer's kernel: half the bytes for the GEMM to write and
+  the update to read, and the one rounding (2^-9 relative) that torch.autocast,
+  Flax's ``dtype=bfloat16`` and jmp give every weight gradient. fp16, whose
+  range a loss-scaled weight gradient (a sum over the whole batch) can exceed,
+  keeps writing f32 there.
   """
   if platform == "cpu":
     # The cotangent may arrive transposed (through a transpose after the GEMM).
     d_lhs, d_rhs = _grad_dots(_row_major(g), lhs, rhs, dimension_numbers)
     return d_lhs.astype(lhs_dtype), d_rhs.astype(rhs_dtype)
-  # JAX's own transpose rules, each GEMM writing the operand's dtype: an f32
-  # master gets its gradient straight from the bf16 x bf16 -> f32 GEMM.
+  # JAX's own transpose rules, each GEMM writing the dtype chosen above.
+  def written(dtype):
+    return g.dtype if g.dtype == jnp.bfloat16 else dtype
+
   kw = dict(dimension_numbers=dimension_numbers, precision=None, out_sharding=None)
   d_lhs = _lax._dot_general_transpose_lhs(
     g,
-    _ad.UndefinedPrimal(jax.typeof(lhs).update(dtype=lhs_dtype)),
+    _ad.UndefinedPrimal(jax.typeof(lhs).update(dtype=written(lhs_dtype))),
     rhs,
-    preferred_element_type=lhs_dtype,
+    preferred_element_type=written(lhs_dtype),
     **kw,
   )
   d_rhs = _lax._dot_general_transpose_rhs(
     g,
     lhs,
-    _ad.UndefinedPrimal(jax.typeof(rhs).update(dtype=rhs_dtype)),
-    preferred_element_type=rhs_dtype,
+    _ad.UndefinedPrimal(jax.typeof(rhs).update(dtype=written(rhs_dtype))),
+    preferred_element_type=written(rhs_dtype),
     **kw,
   )
-  return d_lhs, d_rhs
+  return d_lhs.astype(lhs_dtype), d_rhs.astype(rhs_dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))

@@ -172,3 +172,25 @@ def test_einsum_through_mixed_dot_general_accumulates_in_f32():
 def test_bad_compute_dtype():
   with pytest.raises(ValueError, match="not a floating dtype"):
     mpjax.mixed_dot_general(jnp.int8)
+
+
+@pytest.mark.parametrize("half, rounded", [(jnp.bfloat16, True), (jnp.float16, False)])
+def test_on_a_gpu_a_bf16_weight_gradient_is_written_in_bf16_and_an_fp16_one_in_f32(
+  half, rounded, monkeypatch
+):
+  kx, kw = jax.random.split(jax.random.key(0))
+  x, w = jax.random.normal(kx, (64, 96)), jax.random.normal(kw, (96, 48))
+
+  def loss(w, x):
+    y = mpjax.mixed_dot_general(half)(x, w, (((1,), (0,)), ((), ())))
+    return jnp.sum(y.astype(jnp.float32) ** 2)
+
+  cpu = jax.jit(jax.grad(loss))(w, x)
+  # The program XLA:GPU gets, run here (XLA:CPU widens a bf16 x bf16 -> bf16 dot).
+  monkeypatch.setattr("mpjax.gemm.lowering_platform", lambda *trees: "gpu")
+  gpu = jax.jit(jax.grad(loss))(w, x)
+  assert cpu.dtype == gpu.dtype == jnp.float32  # the f32 master's gradient
+  as_half = np.asarray(gpu.astype(half).astype(jnp.float32))
+  assert not np.array_equal(np.asarray(cpu.astype(half).astype(jnp.float32)), np.asarray(cpu))
+  assert np.array_equal(as_half, np.asarray(gpu)) == rounded
+  np.testing.assert_allclose(gpu, cpu, rtol=2**-8 if rounded else 1e-5, atol=1e-4)

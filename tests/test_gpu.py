@@ -151,6 +151,17 @@ def test_a_checked_step_costs_no_conditional_and_no_copy_of_the_state(reports, c
   assert checked.bytes_moved <= 1.05 * unchecked.bytes_moved
 
 
+@pytest.mark.parametrize("policy, written", [("mixed_bf16", {"bfloat16"}), ("mixed_fp16", None)])
+def test_bf16_weight_gradient_gemms_write_bf16_and_fp16_ones_f32(policy, written):
+  step, state, batch = _lm_step(policy)
+  gemms = parse_compiled_gemms(mpjax.compile_for(step, state, batch, target="h100").as_text())
+  assert {g.kind for g in gemms} == {"cublas_lt"}
+  # fp16 writes its weight gradients (a [d_in, d_out] result of a GEMM over the
+  # batch) in f32, for range; bf16 has f32's range and writes everything in bf16.
+  written = written or {"float16", "float32"}
+  assert {g.out_dtype for g in gemms} == written
+
+
 def test_a_kernel_moves_the_bytes_of_every_operand_and_result():
   # Eight f32 arrays summed in one fusion: XLA prints its sixth operand as
   # "/*index=5*/%p5", which the byte count once dropped.
