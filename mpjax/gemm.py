@@ -223,6 +223,7 @@ def backward_gemms(
     # The cotangent may arrive transposed (through a transpose after the GEMM).
     d_lhs, d_rhs = _grad_dots(_row_major(g), lhs, rhs, dimension_numbers)
     return d_lhs.astype(lhs_dtype), d_rhs.astype(rhs_dtype)
+
   # JAX's own transpose rules, each GEMM writing the dtype chosen above.
   def written(dtype):
     return g.dtype if g.dtype == jnp.bfloat16 else dtype
