@@ -224,7 +224,7 @@ def backward_gemms(
     d_lhs, d_rhs = _grad_dots(_row_major(g), lhs, rhs, dimension_numbers)
     return d_lhs.astype(lhs_dtype), d_rhs.astype(rhs_dtype)
 
-  # JAX's own transpose rules, each GEMM writing the dtype chosen above.
+  # JAX's own transpose rules; a bf16 GEMM writes bf16, an fp16 one its operand's dtype.
   def written(dtype):
     return g.dtype if g.dtype == jnp.bfloat16 else dtype
 
