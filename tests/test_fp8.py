@@ -308,6 +308,19 @@ def test_fp8_state_delayed_scales_and_advance_match_numpy(algo, bwd_format):
 # --- 4. fp8_dot ---------------------------------------------------------------------------------
 
 
+def _assert_gemms_match(got, want):
+  """Asserts an FP8 GEMM's (out, dx, dw) match their references; returns the tolerances.
+
+  out and dx are bf16 results: one bf16 rounding (2**-8 relative) at the top of
+  their range; dw is an f32 sum.
+  """
+  tols = [2.0**-8 * np.max(np.abs(want[0])), 2.0**-8 * np.max(np.abs(want[1]))]
+  tols.append(1e-5 * np.max(np.abs(want[2])))
+  for g, w, tol in zip(got, want, tols, strict=True):
+    np.testing.assert_allclose(np.asarray(g, np.float32), w, rtol=0, atol=tol)
+  return tols
+
+
 def test_fp8_dot_current_scaling_matches_quantize_dequantize_reference():
   rng = np.random.default_rng(0)
   x = (rng.standard_normal((32, 64)) * 3.0).astype(BF16)  # a bf16 activation
@@ -334,13 +347,7 @@ def test_fp8_dot_current_scaling_matches_quantize_dequantize_reference():
   ref_out = (xq.astype(f32) @ wq.astype(f32)).astype(BF16).astype(f32)
   ref_dx = (gq.astype(f32) @ wq.astype(f32).T).astype(BF16).astype(f32)
   ref_dw = xq.astype(f32).T @ gq.astype(f32)
-  # bf16 results: one bf16 rounding (2**-8 relative) at the top of the range; dw: f32 sums.
-  tol_out = 2.0**-8 * np.max(np.abs(ref_out))
-  tol_dx = 2.0**-8 * np.max(np.abs(ref_dx))
-  tol_dw = 1e-5 * np.max(np.abs(ref_dw))
-  np.testing.assert_allclose(np.asarray(out, f32), ref_out, rtol=0, atol=tol_out)
-  np.testing.assert_allclose(np.asarray(dx, f32), ref_dx, rtol=0, atol=tol_dx)
-  np.testing.assert_allclose(np.asarray(dw), ref_dw, rtol=0, atol=tol_dw)
+  tol_out, tol_dx, tol_dw = _assert_gemms_match((out, dx, dw), (ref_out, ref_dx, ref_dw))
 
   # Premise: FP8 happened. The plain bf16 GEMMs differ by clearly more than the tolerances.
   xb, wb, gb = x.astype(f32), w.astype(BF16).astype(f32), ct.astype(BF16).astype(f32)
@@ -393,12 +400,7 @@ def test_fp8_dot_delayed_scaling_uses_the_given_scales_and_returns_the_amaxes():
   ref_out = (xq @ wq).astype(BF16).astype(f32)
   ref_dx = (gq @ wq.T).astype(BF16).astype(f32)
   ref_dw = xq.T @ gq
-  tol_out = 2.0**-8 * np.max(np.abs(ref_out))
-  tol_dx = 2.0**-8 * np.max(np.abs(ref_dx))
-  tol_dw = 1e-5 * np.max(np.abs(ref_dw))
-  np.testing.assert_allclose(np.asarray(out, f32), ref_out, rtol=0, atol=tol_out)
-  np.testing.assert_allclose(np.asarray(dx, f32), ref_dx, rtol=0, atol=tol_dx)
-  np.testing.assert_allclose(np.asarray(dw), ref_dw, rtol=0, atol=tol_dw)
+  tol_out, tol_dx, tol_dw = _assert_gemms_match((out, dx, dw), (ref_out, ref_dx, ref_dw))
 
   # Premise: the given scales matter. Current scaling's results differ by clearly more.
   cx, cw = _np_current_qdq(x, E4M3).astype(f32), _np_current_qdq(w, E4M3).astype(f32)
