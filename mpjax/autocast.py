@@ -16,7 +16,9 @@ jaxpr equation by equation, choosing each operation's dtypes from its class
   (literals and what is computed from them alone) and rank-0 values do not
   promote, as Python scalars and 0-d tensors do not in PyTorch.
 - ``follow``: everything else that moves or compares values keeps the dtype of
-  its first floating input.
+  its first floating input. One exception: under bf16 compute, a lookup of
+  rows of an input table (an embedding) returns bf16, as the one-hot GEMM it
+  stands for would, so the residual stream that starts there is bf16.
 - ``keep``: runs in the dtypes it was traced with. Unknown primitives are kept,
   and autocast logs once which.
 
@@ -288,18 +290,43 @@ class _Ctx:
 
 
 def _cast(x: Any, dtype: Any, kind: int = _ACT) -> Any:
-  """``x`` as ``dtype``; a constant saturates at the target's finite range."""
+  """``x`` as ``dtype``; a finite constant saturates at the target's finite range.
+
+  Infinities stay infinite: ``-inf`` (the identity of a max, e.g. the
+  ``initial`` of ``jnp.max`` in ``jax.nn.softmax``) is exact in every float
+  dtype, and XLA simplifies ``max(x, -inf)`` away, which keeps softmax one kernel.
+  """
   dtype = np.dtype(dtype)
   if x.dtype == dtype:
     return x
   saturate = kind == _LIT and jnp.finfo(dtype).max < jnp.finfo(x.dtype).max
   if isinstance(x, np.ndarray | np.generic):  # a literal: cast now, not in the program
     big = float(jnp.finfo(dtype).max)
-    return np.asarray(np.clip(x, -big, big) if saturate else x).astype(dtype)
+    x = np.asarray(x)
+    return (np.where(np.isinf(x), x, np.clip(x, -big, big)) if saturate else x).astype(dtype)
   if saturate:
     big = float(jnp.finfo(dtype).max)
-    x = jnp.clip(x, -big, big)
+    x = jnp.where(jnp.isinf(x), x, jnp.clip(x, -big, big))
   return lax.convert_element_type(x, dtype)
+
+
+def _is_lookup(eqn: Any, cls: str, kinds: Sequence[int], compute: np.dtype) -> bool:
+  """Whether ``eqn`` looks up rows of an input table (an embedding) under bf16 compute.
+
+  Such a lookup stands for a one-hot GEMM and returns the compute dtype, as
+  that GEMM would; the residual stream that starts there then runs in bf16, as
+  under Flax ``dtype=bfloat16``, jmp and Megatron-LM. fp16 keeps an f32 lookup
+  (and so an f32 residual stream) for range, as ``torch.autocast`` does.
+  """
+  if eqn.primitive.name != "gather" or cls != "follow" or kinds[0] != _INPUT:
+    return False
+  table = eqn.invars[0].aval
+  return (
+    compute == np.dtype(jnp.bfloat16)
+    and _castable(table.dtype)
+    and table.ndim == 2
+    and tuple(eqn.params["slice_sizes"]) == (1, table.shape[1])
+  )
 
 
 def _widest(dtypes: Sequence[np.dtype]) -> np.dtype:
@@ -555,8 +582,13 @@ def _eval_jaxpr(
           invals = [operand(*a, compute) for a in zip(eqn.invars, invals, in_kinds, strict=True)]
           fp8 = _fp8_gemm(ctx, eqn, in_kinds, path, policy)
         outs = _run_class(ctx, eqn, cls, invals, in_kinds, compute, fp8)
+        lookup = _is_lookup(eqn, cls, in_kinds, compute)
+        if lookup:
+          outs = [_cast(outs[0], compute)]
         if all(k == _LIT for k in in_kinds):
           out_kind = _LIT
+        elif lookup:
+          out_kind = _GEMM
         elif name in _VIEWS and in_kinds[0] in (_INPUT, _GEMM):
           out_kind = in_kinds[0]
         elif cls == "lower":  # f32 scopes were turned to "keep" above
@@ -911,7 +943,12 @@ def autocast(
   operands and accumulate in f32, forward and backward; exp, log, pow, squares
   and reductions (so softmax and norm statistics) run in f32; elementwise ops
   take their widest input. f32 weights stay f32 in memory and are cast where a
-  GEMM consumes them. Floating outputs come back in ``policy.output_dtype``.
+  GEMM consumes them. Under bf16 compute an embedding lookup (rows gathered
+  from a 2-D input table) returns bf16, as its one-hot GEMM would, so a
+  transformer's residual stream runs in bf16, as under Flax
+  ``dtype=bfloat16``, jmp and Megatron-LM; ``rules={"*Embed*": "fp32"}``
+  keeps it f32, as ``torch.autocast`` does (and as fp16 compute does, for
+  range). Floating outputs come back in ``policy.output_dtype``.
   It composes with ``jax.jit``, ``jax.grad``, ``jax.vmap``, ``jax.checkpoint``,
   ``lax.scan``, ``shard_map`` and :func:`mpjax.make_train_step`, and enters
   ``jit``, ``cond``, ``while``, ``scan``, ``remat``, ``shard_map`` and

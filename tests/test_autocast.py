@@ -981,6 +981,55 @@ def test_every_gemm_layout_runs_bf16_forward_and_backward(case, options):
   }
 
 
+class _TokensResidual(nn.Module):
+  """An embedding lookup and one pre-norm residual branch: how a transformer LM starts."""
+
+  @nn.compact
+  def __call__(self, tokens):
+    x = nn.Embed(64, 32)(tokens)
+    return x + nn.Dense(32)(nn.LayerNorm()(x))
+
+
+@pytest.mark.parametrize(
+  "policy, rules, residual",
+  [("mixed_bf16", None, BF16), ("mixed_fp16", None, F32), ("mixed_bf16", {"*Embed*": "fp32"}, F32)],
+)
+def test_an_embedding_lookup_starts_a_bf16_residual_stream_under_bf16_compute_only(
+  policy, rules, residual
+):
+  tokens = jax.random.randint(jax.random.key(0), (2, 8), 0, 64)
+  model = _TokensResidual()
+  params = model.init(jax.random.key(1), tokens)
+  table = params["params"]["Embed_0"]["embedding"]
+  cast = mpjax.autocast(model.apply, policy, rules=rules)
+  jaxpr = jax.make_jaxpr(cast)(params, tokens)
+  (gather,) = _live(jaxpr, "gather")
+  assert _in_dtypes(gather)[0] == F32  # the f32 table is read as it is: no bf16 copy of it
+  *_, add = _live(jaxpr, "add")  # the residual add, the function's last
+  assert add.outvars[0].aval.shape == (2, 8, 32)
+  assert np.dtype(add.outvars[0].aval.dtype) == residual
+  # The rows looked up are the table's, rounded once to the residual's dtype.
+  embed = nn.Embed(64, 32).apply
+  rows = jax.jit(
+    mpjax.autocast(lambda w, t: embed({"params": {"embedding": w}}, t), policy, rules=rules)
+  )
+  np.testing.assert_array_equal(
+    rows(table, tokens), table[tokens].astype(residual).astype(jnp.float32)
+  )
+
+
+def test_a_bf16_embedding_lookup_accumulates_its_gradient_in_f32():
+  # 4096 lookups of one row: a bf16 scatter-add would lose the sum (2^-9 per add).
+  table = _normal(0, (16, 32))
+  tokens = jnp.full((4096,), 3)
+  w = _normal(1, (4096, 32)).astype(jnp.bfloat16).astype(jnp.float32)
+  loss = mpjax.autocast(lambda t: jnp.sum(jnp.take(t, tokens, axis=0) * w), "mixed_bf16")
+  grad = jax.jit(jax.grad(loss))(table)
+  want = np.asarray(w, np.float64).sum(0)
+  assert np.abs(np.asarray(grad[3]) - want).max() < 1e-4 * np.abs(w).sum(0).max()
+  assert not np.asarray(grad[:3]).any() and not np.asarray(grad[4:]).any()
+
+
 @pytest.mark.parametrize("api", ["linen", "nnx"])
 def test_a_tied_embedding_lm_trains_in_mixed_bf16(api):
   """Flax's ``Embed.attend`` (lm1b, wmt, Gemma's tied output head) under autocast, jitted."""
