@@ -527,8 +527,12 @@ def _eval_jaxpr(
   args: Sequence[Any],
   kinds: Sequence[int],
   prefix: str = "",
+  out_kinds: list[int] | None = None,
 ) -> list[Any]:
-  """Evaluates ``jaxpr`` with autocast; ``kinds`` says how each argument came about."""
+  """Evaluates ``jaxpr`` with autocast; ``kinds`` says how each argument came about.
+
+  ``out_kinds``, when given, is filled with how each output came about.
+  """
   env: dict[Any, tuple[Any, int]] = {}
   operands: dict[tuple[Any, np.dtype], Any] = {}
 
@@ -564,8 +568,11 @@ def _eval_jaxpr(
       local = str(eqn.source_info.name_stack)
       path = "/".join(p for p in (prefix, local) if p)
       if name in _ENTERED:
-        outs = _enter(ctx, eqn, invals, in_kinds, path)
-        out_kind = _ACT
+        # A jit-like call is transparent: its outputs came about as they did
+        # inside it (a lookup or GEMM inside jnp.take or jnp.einsum stays one).
+        inner_kinds: list[int] = []
+        outs = _enter(ctx, eqn, invals, in_kinds, path, inner_kinds)
+        result_kinds = inner_kinds or [_ACT] * len(outs)
       else:
         policy = _scope(ctx, path)
         compute = np.dtype(policy.compute_dtype)
@@ -595,6 +602,7 @@ def _eval_jaxpr(
           out_kind = _GEMM
         else:
           out_kind = _ACT
+        result_kinds = [out_kind] * len(outs)
         if ctx.records is not None:
           flops = gemm_flops(eqn)
           out_dtype = next((o.dtype for o in outs if hasattr(o, "dtype")), None)
@@ -609,15 +617,17 @@ def _eval_jaxpr(
           )
     if ctx.probe is not None:
       ctx.probe(eqn, path, invals, outs)
-    for v, x in zip(eqn.outvars, outs, strict=True):
+    for v, x, k in zip(eqn.outvars, outs, result_kinds, strict=True):
       if not isinstance(v, jcore.DropVar):
-        env[v] = (x, out_kind)
+        env[v] = (x, k)
 
+  if out_kinds is not None:
+    out_kinds[:] = [read(v)[1] for v in jaxpr.outvars]
   return [read(v)[0] for v in jaxpr.outvars]
 
 
-def _eval_closed(ctx, closed, args, kinds, prefix):
-  return _eval_jaxpr(ctx, closed.jaxpr, closed.consts, args, kinds, prefix)
+def _eval_closed(ctx, closed, args, kinds, prefix, out_kinds=None):
+  return _eval_jaxpr(ctx, closed.jaxpr, closed.consts, args, kinds, prefix, out_kinds)
 
 
 def _to_dtypes(xs: Sequence[Any], avals: Sequence[Any]) -> list[Any]:
@@ -636,14 +646,24 @@ def _avals_as(xs: Sequence[Any], avals: Sequence[Any]) -> list[Any]:
   ]
 
 
-def _enter(ctx: _Ctx, eqn: Any, invals: list[Any], kinds: list[int], path: str) -> list[Any]:
-  """Runs a higher-order primitive with autocast applied inside it."""
+def _enter(
+  ctx: _Ctx,
+  eqn: Any,
+  invals: list[Any],
+  kinds: list[int],
+  path: str,
+  out_kinds: list[int] | None = None,
+) -> list[Any]:
+  """Runs a higher-order primitive with autocast applied inside it.
+
+  For a jit-like call, ``out_kinds`` is filled with how its outputs came about.
+  """
   name, p = eqn.primitive.name, eqn.params
   out_avals = [v.aval for v in eqn.outvars]
 
   if name in ("jit", "pjit", "closed_call", "core_call"):
     closed = p["jaxpr"] if "jaxpr" in p else p["call_jaxpr"]
-    return _eval_closed(ctx, closed, invals, kinds, path)
+    return _eval_closed(ctx, closed, invals, kinds, path, out_kinds)
 
   if name in ("remat2", "checkpoint"):
 

@@ -982,11 +982,12 @@ def test_every_gemm_layout_runs_bf16_forward_and_backward(case, options):
 
 
 class _TokensResidual(nn.Module):
-  """An embedding lookup and one pre-norm residual branch: how a transformer LM starts."""
+  """Token and learnt position embeddings, one pre-norm residual branch: how a GPT starts."""
 
   @nn.compact
   def __call__(self, tokens):
-    x = nn.Embed(64, 32)(tokens)
+    # jnp.take runs under jit: the lookup inside it must still be seen as one.
+    x = nn.Embed(64, 32)(tokens) + self.param("pos", nn.initializers.normal(), (8, 32))
     return x + nn.Dense(32)(nn.LayerNorm()(x))
 
 
@@ -1007,6 +1008,7 @@ def test_an_embedding_lookup_starts_a_bf16_residual_stream_under_bf16_compute_on
   assert _in_dtypes(gather)[0] == F32  # the f32 table is read as it is: no bf16 copy of it
   *_, add = _live(jaxpr, "add")  # the residual add, the function's last
   assert add.outvars[0].aval.shape == (2, 8, 32)
+  # The position embedding joined the looked-up rows as a bias joins a GEMM's result.
   assert np.dtype(add.outvars[0].aval.dtype) == residual
   # The rows looked up are the table's, rounded once to the residual's dtype.
   embed = nn.Embed(64, 32).apply
