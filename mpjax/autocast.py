@@ -847,12 +847,25 @@ def _with_arrays(
 
 
 def _trace(
-  fn: Callable[..., Any], leaves: list[Any], treedef: Any, dynamic: list[int], cache: OrderedDict
+  fn: Callable[..., Any],
+  leaves: list[Any],
+  treedef: Any,
+  dynamic: list[int],
+  cache: OrderedDict,
+  remat: bool,
 ) -> tuple[Any, Any, list[bool], dict[str, Any]]:
   """``fn`` traced for these arguments: the closed jaxpr, output tree, which outputs are floats.
 
   The last item is a dict kept with the trace, for what is learnt from it
   once (which GEMMs run in FP8).
+
+  Without ``remat`` (the GPU lowering), ``jax.nn.softmax`` is traced as JAX's
+  custom-JVP softmax, whose gradient ``y * (dy - sum(y * dy))`` XLA:GPU computes
+  in the one kernel that reads ``dy``, recomputing ``y`` there. The default
+  softmax's gradient also reads the row sum of the forward, which XLA:GPU then
+  computes in a kernel of its own: one more read of the scores per layer, and
+  f32 softmax would move more bytes than a bf16 one. Under ``remat`` (the CPU
+  lowering) the default softmax keeps less for the backward pass.
 
   Cached as ``jax.jit`` caches its traces: by argument structure, static leaves,
   the abstract values of array leaves and JAX's tracing configuration.
@@ -861,7 +874,7 @@ def _trace(
   static = tuple((i, x) for i, x in enumerate(leaves) if i not in arrays)
   avals = tuple(jax.typeof(leaves[i]) for i in dynamic)
   try:
-    key = (treedef, static, avals, jax_config.trace_context())
+    key = (treedef, static, avals, remat, jax_config.trace_context())
     hit = cache.get(key)
   except TypeError:  # an unhashable static leaf
     key, hit = None, None
@@ -870,7 +883,8 @@ def _trace(
     return hit
 
   flat_fn = _with_arrays(fn, leaves, treedef, dynamic)
-  closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*(leaves[i] for i in dynamic))
+  with jax_config.softmax_custom_jvp(not remat or jax_config.softmax_custom_jvp.value):
+    closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*(leaves[i] for i in dynamic))
   out_leaves, out_tree = jax.tree.flatten(out_shape)
   traced = closed, out_tree, [_castable(o.dtype) for o in out_leaves], {}
   # A function that closes over another transformation's tracers is traced anew
@@ -901,14 +915,12 @@ def _run(
   """
   leaves, treedef = jax.tree.flatten((args, kwargs))
   dynamic = [i for i, x in enumerate(leaves) if _is_array(x)]
-  closed, out_tree, floating, learnt = _trace(fn, leaves, treedef, dynamic, cache)
+  arrays = [leaves[i] for i in dynamic]
+  remat = lowering_platform(arrays) == "cpu" if ctx.remat is None else ctx.remat
+  closed, out_tree, floating, learnt = _trace(fn, leaves, treedef, dynamic, cache, remat)
   # Side effects (prints, callbacks) would run again in the recomputation.
-  remat = ctx.remat
-  if remat is None:
-    remat = lowering_platform([leaves[i] for i in dynamic]) == "cpu"
   remat = remat and not closed.effects
   ctx = dataclasses.replace(ctx, remat=remat)
-  arrays = [leaves[i] for i in dynamic]
 
   def evaluate(xs, fp8):
     return _eval_closed(dataclasses.replace(ctx, fp8=fp8), closed, xs, [_INPUT] * len(xs), "")

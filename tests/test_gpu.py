@@ -125,9 +125,9 @@ def test_mixed_bf16_step_moves_fewer_bytes_in_about_as_many_kernels_as_fp32(repo
   fp32, bf16, peer = reports["fp32"], reports["mixed_bf16"], reports["peer"]
   assert bf16.count <= 1.05 * fp32.count, (bf16.count, fp32.count)
   assert bf16.bytes_moved <= 0.6 * fp32.bytes_moved, bf16.bytes_moved / fp32.bytes_moved
-  # Within 1% of the peer's bytes (0.587x fp32 against 0.583x when this was
-  # written): autocast's f32 softmax costs one extra read of the scores.
-  assert bf16.bytes_moved <= 1.01 * peer.bytes_moved, bf16.bytes_moved / peer.bytes_moved
+  # No more than the Flax dtype=bfloat16 peer, though softmax runs in f32 (its
+  # gradient is y * (dy - sum(y * dy)), so no row sum is kept for the backward).
+  assert bf16.bytes_moved <= peer.bytes_moved, bf16.bytes_moved / peer.bytes_moved
   assert bf16.estimated_seconds < 0.75 * fp32.estimated_seconds
   assert bf16.count < peer.count  # the peer converts every weight twice
   assert bf16.temp_bytes < fp32.temp_bytes
