@@ -811,6 +811,11 @@ def _is_array(x: Any) -> bool:
   return isinstance(x, jax.Array | np.ndarray | np.generic)
 
 
+def _all_f32(policy: Policy, rules: _Rules) -> bool:
+  """Whether everything computes in f32 (no module rule lowers any): autocast changes nothing."""
+  return all(np.dtype(p.compute_dtype) == _F32 for p in (policy, *(p for _, p in rules.scopes)))
+
+
 def _check(fn: Any, policy: Any, rules: Any, level: str) -> tuple[Policy, _Rules]:
   if not callable(fn):
     raise TypeError(f"autocast: fn must be callable, got {type(fn).__name__}.")
@@ -1047,9 +1052,7 @@ def autocast(
     dtype('float32')
   """
   policy, parsed = _check(fn, policy, rules, level)
-  if np.dtype(policy.compute_dtype) == _F32 and not any(
-    np.dtype(p.compute_dtype) != _F32 for _, p in parsed.scopes
-  ):
+  if _all_f32(policy, parsed):
     return fn
   ctx = _Ctx(policy, parsed, level, remat)
   cache: OrderedDict = OrderedDict()
@@ -1075,6 +1078,8 @@ def autocast_with_fp8_scales(
   cache: OrderedDict = OrderedDict()
 
   def wrapped(scales: jax.Array | None, *args: Any, **kwargs: Any) -> Any:
+    if _all_f32(ctx.policy, ctx.rules):  # as autocast: the function itself
+      return fn(*args, **kwargs)
     return _run(ctx, fn, args, kwargs, cache, fp8_scales=scales)
 
   return wrapped
