@@ -69,7 +69,20 @@ def test_bf16_step_matches_f32_reference_and_keeps_f32_masters():
   assert not np.array_equal(metrics["loss"], ref_metrics["loss"])  # it did run in bf16
 
 
-def test_fp32_policy_matches_a_plain_optax_step():
+def _primitives(jaxpr):
+  """The names of every primitive in ``jaxpr``, nested jaxprs included."""
+  names = set()
+  for eqn in jaxpr.eqns:
+    names.add(eqn.primitive.name)
+    for inner in jax.extend.core.jaxprs_in_params(eqn.params):
+      names |= _primitives(inner)
+  return names
+
+
+# autocast=True under fp32, as mpjax.autocast does, runs the loss function itself: no remat
+# (on a CPU) and no retrace that would change what XLA makes of it (e.g. its softmax).
+@pytest.mark.parametrize("autocast", [None, True])
+def test_fp32_policy_matches_a_plain_optax_step(autocast):
   batch, params, tx = _batch(), _params(), optax.adam(1e-2)
 
   @jax.jit
@@ -79,7 +92,10 @@ def test_fp32_policy_matches_a_plain_optax_step():
     return optax.apply_updates(params, updates), opt_state, loss
 
   p, o, loss = plain(params, tx.init(params))
-  state, metrics = jax.jit(mpjax.make_train_step(loss_fn))(_state("fp32", tx), batch)
+  step = mpjax.make_train_step(loss_fn, autocast=autocast)
+  jaxpr = jax.make_jaxpr(step)(_state("fp32", tx), batch).jaxpr
+  assert not {"remat2", "checkpoint"} & _primitives(jaxpr)
+  state, metrics = jax.jit(step)(_state("fp32", tx), batch)
   chex.assert_trees_all_close(state.params, p, rtol=1e-6, atol=1e-7)
   chex.assert_trees_all_close(state.opt_state, o, rtol=1e-6, atol=1e-7)
   np.testing.assert_allclose(metrics["loss"], loss, rtol=1e-6)
