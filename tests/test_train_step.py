@@ -69,16 +69,6 @@ def test_bf16_step_matches_f32_reference_and_keeps_f32_masters():
   assert not np.array_equal(metrics["loss"], ref_metrics["loss"])  # it did run in bf16
 
 
-def _primitives(jaxpr):
-  """The names of every primitive in ``jaxpr``, nested jaxprs included."""
-  names = set()
-  for eqn in jaxpr.eqns:
-    names.add(eqn.primitive.name)
-    for inner in jax.extend.core.jaxprs_in_params(eqn.params):
-      names |= _primitives(inner)
-  return names
-
-
 # autocast=True under fp32, as mpjax.autocast does, runs the loss function itself: no remat
 # (on a CPU) and no retrace that would change what XLA makes of it (e.g. its softmax).
 @pytest.mark.parametrize("autocast", [None, True])
