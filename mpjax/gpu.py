@@ -53,7 +53,9 @@ __all__ = [
   "on_target",
 ]
 
-PLUGIN = "jax-cuda12-pjrt"
+PLUGIN = "jax-cuda12-pjrt"  # what the gpu-aot extra installs
+# Either compiles for a GPU target: jax[cuda13] (as on a CUDA 13 GPU machine) brings the second.
+_PLUGINS = (PLUGIN, "jax-cuda13-pjrt")
 GEMM_BACKENDS = ("cublaslt", "triton")
 
 
@@ -153,21 +155,26 @@ def get_target(target: str | GpuTarget) -> GpuTarget:
 
 
 def _check_compiler() -> None:
-  """Raises unless XLA's CUDA compiler plugin matching the installed jaxlib is there."""
+  """Raises unless an XLA CUDA compiler plugin matching the installed jaxlib is there."""
   import jaxlib
 
   wanted = jaxlib.__version__
   fix = f'pip install --no-deps {PLUGIN}=={wanted}   (or: pip install -e ".[gpu-aot]")'
-  try:
-    installed = importlib.metadata.version(PLUGIN)
-  except importlib.metadata.PackageNotFoundError:
+  installed = {}
+  for name in _PLUGINS:
+    try:
+      installed[name] = importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+      pass
+  if not installed:
     raise RuntimeError(
       f"compiling for a GPU target needs XLA's CUDA compiler plugin, {PLUGIN}, which is not "
       f"installed; install the one matching jaxlib {wanted}: {fix}"
-    ) from None
-  if installed != wanted:
+    )
+  if wanted not in installed.values():
+    name, version = next(iter(installed.items()))
     raise RuntimeError(
-      f"{PLUGIN} {installed} does not match jaxlib {wanted}: XLA's compiler plugin must be "
+      f"{name} {version} does not match jaxlib {wanted}: XLA's compiler plugin must be "
       f"built with the same jaxlib; {fix}"
     )
 

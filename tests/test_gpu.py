@@ -196,6 +196,14 @@ def test_a_missing_or_mismatched_compiler_plugin_names_the_fix(monkeypatch):
   with pytest.raises(RuntimeError, match="0.0.1 does not match jaxlib"):
     mpjax.gpu._check_compiler()
 
+  def cuda13_only(name):  # as jax[cuda13] installs it, on a CUDA 13 machine
+    if name != "jax-cuda13-pjrt":
+      raise importlib.metadata.PackageNotFoundError(name)
+    return jaxlib.__version__
+
+  monkeypatch.setattr(importlib.metadata, "version", cuda13_only)
+  mpjax.gpu._check_compiler()  # it compiles as well
+
 
 def test_importing_mpjax_with_the_compiler_plugin_logs_no_traceback():
   env = {
