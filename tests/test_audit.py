@@ -381,3 +381,26 @@ def test_a_strided_convolution_and_both_its_gradients_count_the_same_flops():
   assert len(convs) == 3  # forward, input gradient (lhs-dilated by the stride), kernel gradient
   forward = 2.0 * 4 * 8 * 8 * 16 * (3 * 3 * 8)  # output elements x (kernel taps x in-channels)
   assert [r.flops for r in convs] == [forward] * 3
+
+
+def test_the_hlo_reader_reads_a_train_step_that_an_h200_compiled_and_autotuned():
+  """Real GPU output, not hand-made HLO: gpu_check's mixed_bf16 char-LM step (4 layers, d512).
+
+  Compiled on a lent NVIDIA H200 (jax 0.11.2, CUDA 13), where autotuning put some GEMMs in
+  Triton fusions (``__triton_nested_gemm_fusion``) and the rest in cuBLASLt calls.
+  """
+  import gzip
+  import pathlib
+
+  path = pathlib.Path(__file__).parent / "data" / "h200_mixed_bf16_step.hlo.gz"
+  hlo = gzip.open(path, "rt").read()
+  gemms = parse_compiled_gemms(hlo)
+  assert len(gemms) == 75  # 25 in the forward pass, 50 in the backward
+  assert {g.kind for g in gemms} == {"triton_gemm", "cublas_lt"}
+  assert {(g.lhs_dtype, g.rhs_dtype) for g in gemms} == {("bfloat16", "bfloat16")}
+  report = mpjax.gpu.report_from_hlo(hlo, "h200")
+  assert report.by_kind["gemm"] == 75 and report.by_kind["conditional"] == 0
+  assert report.count > 75 and report.bytes_moved > 0
+  assert report.flops > 0 and {k.peak_dtype for k in report.kernels if k.kind == "gemm"} == {
+    "bfloat16"
+  }
