@@ -8,12 +8,26 @@ operand's amax at that moment; *delayed* scaling takes it from the amaxes of
 the steps before (a history kept in the train state), which needs no pass over
 the operand before it is cast.
 
-Each FP8 GEMM is written as quantize -> dequantize -> dot, forward and both
-backward GEMMs: ``dot(convert(q_lhs) * s_lhs, convert(q_rhs) * s_rhs)``. XLA's
-GPU GEMM rewriter turns that into one ``__cublas$lt$matmul$f8`` call (FP8
-operands, the scales passed to cuBLASLt, f32 accumulation, bf16 or f32
-output); other backends run the same program with the FP8 values widened
-(XLA:CPU emulates FP8), so the numerics are the same everywhere.
+Each FP8 GEMM, forward and both backward, is a direct FP8 dot: the FP8
+operands go into ``dot_general`` themselves and the product of their scales
+multiplies the result, ``dot(q_lhs, q_rhs) * (s_lhs * s_rhs)``; backward
+``d_lhs = dot(q_g, q_rhs) * (s_g * s_rhs)`` with the E5M2 output gradient and
+``d_rhs = dot(q_lhs, q_g) * (s_lhs * s_g)``. XLA:GPU keeps that FP8 in both
+of its modes: an FP8 x FP8 dot inside a Triton GEMM fusion (the default), or
+one ``__cublas$lt$matmul$f8`` call with the scale passed to cuBLASLt (Triton
+GEMMs off), accumulating in f32 either way. (Quantize -> dequantize -> dot,
+the form XLA's cuBLASLt rewriter matches, becomes a bf16 x bf16 Triton GEMM in
+the default mode: XLA folds the f32 -> FP8 -> bf16 converts, and no FP8 value
+is left.) A bf16 GEMM writes bf16 and the scale multiplies it there, which XLA
+fuses into the GEMM (no pass of its own over the output); an fp16 one writes
+f32, the range an unscaled sum of FP8 products can need.
+
+XLA:CPU has no FP8 GEMM: there the FP8 values are widened to bf16 (exactly:
+every E4M3 and E5M2 value is a bf16 value) and multiplied by the fast
+bf16 x bf16 -> f32 kernel, then by the scale in f32. The CPU thus computes
+on the very FP8 operands a GPU does, with f32 accumulation; only the rounding
+of the result differs (a GPU's bf16 GEMM rounds it to bf16 before the scale,
+unless XLA keeps the excess precision, as cuBLASLt does).
 """
 
 from __future__ import annotations
@@ -227,7 +241,7 @@ def quantize(x: jax.Array, dtype: Any, scale: jax.Array) -> jax.Array:
 
 
 def dequantize(q: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:
-  """``q * scale`` in ``dtype`` (what XLA's GPU rewriter folds into an FP8 cuBLASLt call)."""
+  """``q * scale`` in ``dtype``: the value an FP8 ``q`` stands for."""
   return q.astype(dtype) * scale.astype(dtype)
 
 
@@ -280,6 +294,34 @@ def fp8_dot(lhs, rhs, scales, dimension_numbers, recipe, compute_dtype, out_shar
   return _fp8_dot_fwd(lhs, rhs, scales, dimension_numbers, recipe, compute_dtype, out_sharding)[0]
 
 
+def _written(compute_dtype: Any, platform: str) -> np.dtype:
+  """The dtype an FP8 GEMM writes, before its scale multiplies it.
+
+  On a CPU f32, the fast kernel's result. Elsewhere bf16 for a bf16 compute
+  dtype: a bf16 GEMM whose scale XLA fuses into it (cuBLASLt's scale operand, a
+  Triton fusion's epilogue). f32 otherwise: an fp16 result of FP8 products
+  before their scale (up to 448 x 57344 each) can overflow.
+  """
+  if platform != "cpu" and np.dtype(compute_dtype) == jnp.bfloat16:
+    return np.dtype(jnp.bfloat16)
+  return np.dtype(jnp.float32)
+
+
+def _gemm_operands(platform: str, *qs: jax.Array) -> list[jax.Array]:
+  """The FP8 arrays as a GEMM takes them: themselves, or on a CPU widened to bf16.
+
+  XLA:CPU has no FP8 GEMM; E4M3 and E5M2 values are all bf16 values, so the
+  widening is exact and the CPU's fast bf16 x bf16 -> f32 kernel multiplies
+  the very FP8 operands.
+  """
+  return [q.astype(jnp.bfloat16) for q in qs] if platform == "cpu" else list(qs)
+
+
+def _scaled(product: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:
+  """``product * scale`` (the scale in the product's dtype), as ``dtype``."""
+  return (product * scale.astype(product.dtype)).astype(dtype)
+
+
 def _fp8_dot_fwd(lhs, rhs, scales, dimension_numbers, recipe, compute_dtype, out_sharding):
   fwd = recipe.fwd_dtype
   if scales is None:
@@ -287,14 +329,12 @@ def _fp8_dot_fwd(lhs, rhs, scales, dimension_numbers, recipe, compute_dtype, out
   else:
     s_lhs, s_rhs = scales[LHS], scales[RHS]
   q_lhs, q_rhs = quantize(lhs, fwd, s_lhs), quantize(rhs, fwd, s_rhs)
-  out = forward_gemm(
-    dequantize(q_lhs, s_lhs, compute_dtype),
-    dequantize(q_rhs, s_rhs, compute_dtype),
-    dimension_numbers,
-    compute_dtype,
-    out_sharding,
-    lowering_platform(lhs, rhs),
+  platform = lowering_platform(lhs, rhs)
+  written = _written(compute_dtype, platform)
+  product = forward_gemm(
+    *_gemm_operands(platform, q_lhs, q_rhs), dimension_numbers, written, out_sharding, platform
   )
+  out = _scaled(product, s_lhs * s_rhs, compute_dtype)
   # The backward GEMMs read the FP8 operands (1 byte each) and their scales;
   # delayed scaling reports the operands' amaxes there.
   amaxes = None if scales is None else jnp.stack([amax(lhs), amax(rhs)])
@@ -308,15 +348,16 @@ def _fp8_dot_bwd(dimension_numbers, recipe, compute_dtype, out_sharding, residua
   bwd = recipe.bwd_dtype
   s_g = _current(g, bwd, recipe) if scales is None else scales[GRAD]
   q_g = quantize(g, bwd, s_g)
+  platform = lowering_platform(q_lhs, q_rhs)
+  written = _written(compute_dtype, platform)
+  # d_lhs = dot(q_g, q_rhs), d_rhs = dot(q_lhs, q_g) as JAX transposes them,
+  # each written in ``written`` (an FP8 cotangent: backward_gemms' GEMMs write
+  # the dtypes they are given), then scaled into the operand's own dtype.
   d_lhs, d_rhs = backward_gemms(
-    dequantize(q_g, s_g, compute_dtype),
-    dequantize(q_lhs, used[LHS], compute_dtype),
-    dequantize(q_rhs, used[RHS], compute_dtype),
-    dimension_numbers,
-    lhs_dtype.dtype,
-    rhs_dtype.dtype,
-    lowering_platform(q_lhs, q_rhs),
+    *_gemm_operands(platform, q_g, q_lhs, q_rhs), dimension_numbers, written, written, platform
   )
+  d_lhs = _scaled(d_lhs, s_g * used[RHS], lhs_dtype.dtype)
+  d_rhs = _scaled(d_rhs, used[LHS] * s_g, rhs_dtype.dtype)
   seen = None if scales is None else jnp.concatenate([amaxes, amax(g)[None]])
   return d_lhs, d_rhs, seen
 
