@@ -9,6 +9,8 @@
 
 Bad input (an unknown config or key, a value of the wrong type, an invalid
 policy, an unwritable run directory) prints one line and exits with status 2.
+Every command needs the experiments extra (``pip install "mpjax[experiments]"``);
+without it the command prints that line and exits with status 1, before any work.
 SIGINT or SIGTERM finishes the current step, writes a checkpoint and exits with
 128 + the signal number; the same command resumes the run.
 """
@@ -26,15 +28,9 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 
-from mpjax.experiment import (
-  DIVERGED_EXIT_STATUS,
-  ConfigError,
-  Experiment,
-  compare,
-  diagnose,
-  load_config,
-  train,
-)
+# mpjax.experiment needs the experiments extra: main checks for it first, and the functions
+# below import from it when they run, so that without it a command says what to install.
+from mpjax._extras import MissingExtraError, require_experiments
 from mpjax.policy import POLICY_ENV_VAR
 from mpjax.train_step import init_fp8_state
 
@@ -78,8 +74,8 @@ def _parser() -> argparse.ArgumentParser:
       sub.add_argument(
         "--target",
         default=None,
-        help="compile for this GPU without one (h100, h200, b200, a100, l4; needs the gpu-aot "
-        "extra): each GEMM's call, then a kernel report",
+        help="compile for this GPU without one (h100, h200, b200, a100, l4; needs XLA's CUDA "
+        "compiler plugin): each GEMM's call, then a kernel report",
       )
       sub.add_argument(
         "--compare",
@@ -89,9 +85,11 @@ def _parser() -> argparse.ArgumentParser:
       )
       sub.add_argument(
         "--gemm_backend",
-        default="cublaslt",
-        choices=("cublaslt", "triton"),
-        help="with --target: GEMMs as cuBLASLt calls or Triton fusions (default: %(default)s)",
+        default="default",
+        choices=("default", "cublaslt", "triton"),
+        help="with --target: the GEMM mode to compile in: 'default' is XLA's default mode, the "
+        "one users run (Triton GEMM fusions on), 'cublaslt' turns Triton GEMMs off (every GEMM "
+        "a cuBLASLt call); 'triton' is the same as 'default' (default: %(default)s)",
       )
     if name == "diagnose":
       sub.add_argument(
@@ -151,6 +149,8 @@ def _print_summary(summary: dict) -> None:
 
 
 def _step_and_args(config: Any) -> tuple[Any, Any, Any]:
+  from mpjax.experiment import Experiment
+
   exp = Experiment(config)
   step = exp.make_step()
   batch = exp.put_batch(exp.dataset.batch(0, config.batch_size, config.seed))
@@ -159,7 +159,7 @@ def _step_and_args(config: Any) -> tuple[Any, Any, Any]:
 
 
 def doctor_report(
-  config: Any, target: str | None = None, gemm_backend: str = "cublaslt"
+  config: Any, target: str | None = None, gemm_backend: str = "default"
 ) -> AuditReport:
   """The GEMM audit of ``config``'s train step on its first batch: what ``mpjax doctor`` prints.
 
@@ -167,7 +167,8 @@ def doctor_report(
     config: a loaded config (:func:`mpjax.experiment.load_config`).
     target: a GPU target to compile for (``"h100"``); ``None`` audits for
       JAX's backend here.
-    gemm_backend: with ``target``, ``"cublaslt"`` or ``"triton"``.
+    gemm_backend: with ``target``, the GEMM mode: ``"default"`` (XLA's default,
+      Triton GEMMs on) or ``"cublaslt"`` (Triton GEMMs off).
 
   Returns:
     The :class:`mpjax.audit.AuditReport` of the jitted train step (forward and
@@ -183,7 +184,7 @@ def doctor_report(
 
 
 def doctor_kernels(
-  config: Any, policies: Sequence[str], target: str, gemm_backend: str = "cublaslt"
+  config: Any, policies: Sequence[str], target: str, gemm_backend: str = "default"
 ) -> dict[str, Any]:
   """The :class:`mpjax.KernelReport` of ``config``'s train step under each policy, for ``target``.
 
@@ -191,7 +192,8 @@ def doctor_kernels(
     config: a loaded config.
     policies: the policies to compare, the baseline first.
     target: a GPU target name.
-    gemm_backend: ``"cublaslt"`` or ``"triton"``.
+    gemm_backend: the GEMM mode: ``"default"`` (XLA's default, Triton GEMMs
+      on) or ``"cublaslt"`` (Triton GEMMs off).
 
   Returns:
     policy -> kernel report, in the order given.
@@ -212,7 +214,8 @@ def doctor_kernels(
 
 
 def _doctor(config: Any, parsed: argparse.Namespace) -> None:
-  from mpjax.gpu import get_target, kernel_table
+  from mpjax.experiment import ConfigError
+  from mpjax.gpu import describe_gemm_backend, get_target, kernel_table
 
   target = parsed.target
   if target is not None:
@@ -227,7 +230,10 @@ def _doctor(config: Any, parsed: argparse.Namespace) -> None:
   except RuntimeError as e:
     raise ConfigError(str(e)) from None
   policy = os.environ.get(POLICY_ENV_VAR, "").strip() or config.policy
-  where = f"{target} (compiled here, no GPU needed)" if target else report.platform
+  where = report.platform
+  if target:
+    mode = describe_gemm_backend(parsed.gemm_backend)
+    where = f"{target} (compiled here, no GPU needed, in {mode})"
   print(
     f"Train step of {config.name} [{policy}], batch {config.batch_size}, on "
     f"{where}: every GEMM and convolution, forward and backward.\n"
@@ -244,6 +250,8 @@ def _doctor(config: Any, parsed: argparse.Namespace) -> None:
 
 def _initialize_distributed(parsed: argparse.Namespace) -> None:
   """``jax.distributed.initialize`` for ``train --distributed`` (or any of its flags)."""
+  from mpjax.experiment import ConfigError
+
   explicit = {k: getattr(parsed, k) for k in ("coordinator_address", "num_processes", "process_id")}
   if not parsed.distributed and all(v is None for v in explicit.values()):
     return
@@ -263,9 +271,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv: the arguments after ``mpjax``; default ``sys.argv[1:]``.
 
   Returns:
-    0 on success, 2 on bad input, 3 when the divergence guard stopped a run
-    (after writing a checkpoint and saying why), 128 + the signal number when
-    training was stopped by SIGINT or SIGTERM (after writing a checkpoint).
+    0 on success, 1 when the experiments extra is not installed (the message
+    says what to install), 2 on bad input, 3 when the divergence guard
+    stopped a run (after writing a checkpoint and saying why), 128 + the
+    signal number when training was stopped by SIGINT or SIGTERM (after
+    writing a checkpoint).
 
   Example:
     >>> import mpjax.cli
@@ -274,6 +284,20 @@ def main(argv: Sequence[str] | None = None) -> int:
   """
   args, overrides = _split_overrides(sys.argv[1:] if argv is None else argv)
   parsed = _parser().parse_args(args)
+  try:  # before any work: without the experiments extra, say what to install
+    require_experiments(f"mpjax {parsed.command}")
+  except MissingExtraError as e:
+    print(f"mpjax: error: {e}", file=sys.stderr)
+    return 1
+  from mpjax.experiment import (
+    DIVERGED_EXIT_STATUS,
+    ConfigError,
+    compare,
+    diagnose,
+    load_config,
+    train,
+  )
+
   try:
     if parsed.command == "train":  # before anything starts JAX's backend
       _initialize_distributed(parsed)

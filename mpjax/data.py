@@ -31,6 +31,8 @@ from typing import Any
 
 import numpy as np
 
+from mpjax._extras import require_experiments
+
 __all__ = [
   "Dataset",
   "load_dataset",
@@ -263,6 +265,7 @@ def load_digits(*, test_fraction: float = 0.2, seed: int = 0, image: bool = Fals
     >>> ds.train["x"].shape, ds.test["x"].shape, ds.num_classes
     ((1437, 8, 8, 1), (360, 8, 8, 1), 10)
   """
+  require_experiments("mpjax.data.load_digits", ("sklearn",))
   from sklearn import datasets, model_selection
 
   if not 0.0 < test_fraction < 1.0:

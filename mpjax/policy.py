@@ -171,7 +171,7 @@ _KEYS = {
 }
 
 
-def _cpuinfo() -> str:
+def cpuinfo() -> str:
   """The text of ``/proc/cpuinfo`` (empty where there is none)."""
   try:
     with open("/proc/cpuinfo") as f:
@@ -180,9 +180,9 @@ def _cpuinfo() -> str:
     return ""
 
 
-def _cpu_has_native_bf16_dot() -> bool:
+def cpu_has_native_bf16_dot() -> bool:
   """Whether this x86 CPU has bf16 dot-product instructions (AVX512-BF16 or AMX)."""
-  return any(flag in _cpuinfo().split() for flag in ("avx512_bf16", "amx_bf16"))
+  return any(flag in cpuinfo().split() for flag in ("avx512_bf16", "amx_bf16"))
 
 
 def _auto_policy() -> tuple[Policy, str]:
@@ -205,7 +205,7 @@ def _auto_policy() -> tuple[Policy, str]:
     return PRESETS[
       "fp32"
     ], f"GPU of compute capability {capability}: no half-precision Tensor Cores"
-  if device.platform == "cpu" and _cpu_has_native_bf16_dot():
+  if device.platform == "cpu" and cpu_has_native_bf16_dot():
     return PRESETS["mixed_bf16"], "CPU with native bf16 dot instructions (AVX512-BF16/AMX)"
   return PRESETS["fp32"], f"{device.platform} without native bf16 dot instructions"
 

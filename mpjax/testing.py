@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mpjax._extras import require_experiments
 from mpjax.audit import audit
 from mpjax.autocast import autocast
 from mpjax.policy import Policy, get_policy
@@ -220,6 +221,7 @@ def assert_checkpoint_round_trip(state: Any, directory: str | None = None) -> No
     >>> import jax.numpy as jnp, mpjax, mpjax.testing
     >>> mpjax.testing.assert_checkpoint_round_trip({"scale": mpjax.DynamicLossScale()})
   """
+  require_experiments("mpjax.testing.assert_checkpoint_round_trip", ("orbax.checkpoint",))
   import orbax.checkpoint as ocp
 
   with tempfile.TemporaryDirectory() as tmp:

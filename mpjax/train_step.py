@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +16,14 @@ from mpjax._dtypes import is_floating, to_f32
 from mpjax.autocast import autocast as autocast_fn
 from mpjax.autocast import autocast_with_fp8_scales, count_delayed_fp8_gemms
 from mpjax.fp8 import Fp8State, advance, delayed_scales
-from mpjax.loss_scale import DynamicLossScale, NoOpLossScale, all_finite, select_tree
+from mpjax.loss_scale import (
+  DynamicLossScale,
+  LossScale,
+  NoOpLossScale,
+  all_finite,
+  select_tree,
+)
+from mpjax.policy import Policy
 from mpjax.train_state import TrainState
 
 __all__ = ["make_train_step", "init_fp8_state"]
@@ -204,6 +212,49 @@ def make_train_step(
     >>> int(state.step), metrics["loss"].dtype, sorted(metrics)
     (1, dtype('float32'), ['loss', 'loss_scale'])
   """
+  autocast = _checked_options(
+    loss_fn, max_grad_norm, skip_nonfinite, autocast_rules, autocast, cast_params
+  )
+  options = _StepOptions(
+    axis_name=axis_name,
+    max_grad_norm=max_grad_norm,
+    cast_batch=cast_batch,
+    cast_params=cast_params,
+    autocast=autocast,
+    autocast_rules=autocast_rules,
+    with_model_state=with_model_state,
+    skip_nonfinite=skip_nonfinite,
+  )
+
+  def step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
+    return _train_step(loss_fn, options, state, batch)
+
+  return step
+
+
+class _StepOptions(NamedTuple):
+  """:func:`make_train_step`'s options, checked (``autocast`` is ``False`` without
+  ``cast_params``)."""
+
+  axis_name: Hashable | Sequence[Hashable] | None
+  max_grad_norm: float | None
+  cast_batch: bool
+  cast_params: bool
+  autocast: bool | None
+  autocast_rules: Mapping[str, str] | None
+  with_model_state: bool
+  skip_nonfinite: bool | None
+
+
+def _checked_options(
+  loss_fn: LossFn,
+  max_grad_norm: float | None,
+  skip_nonfinite: bool | None,
+  autocast_rules: Mapping[str, str] | None,
+  autocast: bool | None,
+  cast_params: bool,
+) -> bool | None:
+  """Refuses options no step can use; returns ``autocast`` (``False`` without ``cast_params``)."""
   if not callable(loss_fn):
     raise TypeError(
       f"make_train_step: loss_fn must be a function loss_fn(params, batch), got "
@@ -213,7 +264,6 @@ def make_train_step(
     raise ValueError(
       f"make_train_step: max_grad_norm={max_grad_norm!r} must be positive, or None for no clipping."
     )
-
   if skip_nonfinite is not None and not isinstance(skip_nonfinite, bool):
     raise TypeError(
       f"make_train_step: skip_nonfinite={skip_nonfinite!r} must be True, False or None (check "
@@ -228,155 +278,266 @@ def make_train_step(
         "which the step does not autocast; drop autocast=True, or keep cast_params=True."
       )
     autocast = False
+  return autocast
 
-  def step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
-    if not isinstance(state, TrainState):
-      raise TypeError(
-        f"train step: state must be an mpjax.TrainState (from TrainState.create), got "
-        f"{type(state).__name__}."
-      )
-    policy, loss_scale = state.policy, state.loss_scale
-    if with_model_state:
-      model_fn = loss_fn
-    else:
 
-      def model_fn(params, model_state, batch):
-        return loss_fn(params, batch), model_state
-
-    use_autocast = autocast if autocast is not None else policy.is_mixed
-    if policy.fp8 is not None and not use_autocast:
-      raise ValueError(
-        f"train step: the policy has FP8 GEMMs ({policy.fp8}), which run through autocast, "
-        "but this step does not autocast (autocast=False or cast_params=False). Leave "
-        "autocast and cast_params unset, or use mixed_bf16."
-      )
-    fp8_state = state.fp8
-    if policy.fp8 is not None and fp8_state is None:  # the first step makes the delayed state
-      gemms = count_delayed_fp8_gemms(
-        model_fn, policy, state.params, state.model_state, batch, rules=autocast_rules
-      )
-      fp8_state = Fp8State.initial(policy.fp8, gemms) if gemms else None
-    # This step's scale of every FP8 tensor, from its history (delayed scaling).
-    fp8_scales = None if fp8_state is None else delayed_scales(fp8_state, policy.fp8)
-    if use_autocast:  # autocast casts params and batch where each operation uses them
-      run = autocast_with_fp8_scales(model_fn, policy, rules=autocast_rules)
-    else:
-      compute_batch = policy.cast_to_compute(batch) if cast_batch else batch
-
-      def run(_, params, model_state, __):
-        params = policy.cast_to_compute(params) if cast_params else params
-        return model_fn(params, model_state, compute_batch)
-
-    def scaled_loss(params, fp8_scales):
-      out = run(fp8_scales, params, state.model_state, batch)
-      if not (isinstance(out, (tuple, list)) and len(out) == 2):
-        raise ValueError(
-          "with_model_state=True: loss_fn(params, model_state, batch) must return "
-          f"(loss, new_model_state) or ((loss, aux), new_model_state), got {type(out).__name__}."
-        )
-      loss, aux = _split_loss(out[0])
-      loss = loss.astype(jnp.float32)
-      return loss_scale.scale(loss), (loss, aux, _like(out[1], state.model_state))
-
-    check = skip_nonfinite
-    if check is None:
-      fp16 = jnp.dtype(policy.compute_dtype) == jnp.float16
-      check = fp16 or not isinstance(loss_scale, NoOpLossScale)
-    elif not check and isinstance(loss_scale, DynamicLossScale):
-      raise ValueError(
-        "make_train_step: skip_nonfinite=False with a DynamicLossScale: the scale only comes "
-        "down on a skipped step, so it could never recover from an overflow. Leave "
-        "skip_nonfinite unset, or use StaticLossScale / NoOpLossScale."
-      )
-
-    params = state.params
-    platform = lowering_platform(params)
-    if axis_name is not None:
-      params, fp8_scales = _as_varying((params, fp8_scales), axis_name)
-    (grads, fp8_amaxes), (loss, aux, model_state) = jax.grad(
-      scaled_loss, argnums=(0, 1), has_aux=True
-    )(params, fp8_scales)
-    old_fp8 = new_fp8 = fp8_state
-    if fp8_state is not None:
-      # The scales' "gradient" is this step's amaxes (see mpjax.fp8.fp8_dot).
-      if axis_name is not None:  # the amaxes of all devices' shards
-        fp8_amaxes, fp8_scales = lax.pmax((fp8_amaxes, fp8_scales), axis_name)
-      new_fp8 = advance(fp8_state, fp8_scales, fp8_amaxes)
-    # f32 gradients whatever the params' dtype (pure_bf16), for the norm and the update.
-    grads = jax.tree.map(to_f32, loss_scale.unscale(grads))
-    if axis_name is not None:
-      grads, loss = lax.pmean((grads, loss), axis_name)
-      model_state = jax.tree.map(
-        lambda x: lax.pmean(x, axis_name) if is_floating(x) else x, model_state
-      )
-    metrics = {"loss": loss, "loss_scale": loss_scale.loss_scale}
-    if check or max_grad_norm is not None:
-      # One pass over the gradients gives both the norm and the finite check:
-      # the sum of squares is non-finite iff some gradient is inf/NaN (or the
-      # norm itself overflows f32, > 1.8e19, a step no one wants applied either).
-      metrics["grad_norm"] = grad_norm = _grad_norm(grads, platform)
-    if max_grad_norm is not None:
-      grads = jax.tree.map(lambda g: g * jnp.minimum(1.0, max_grad_norm / grad_norm), grads)
-
-    def apply_update(operands):
-      params, opt_state, _, _, grads, new_model_state, new_fp8 = operands
-      updates, new_opt_state = state.tx.update(_like(grads, params), opt_state, params)
-      # apply_updates keeps each param's dtype; optimizers may not keep theirs.
-      new_params = optax.apply_updates(params, updates)
-      return new_params, _like(new_opt_state, opt_state), new_model_state, new_fp8
-
-    def keep(operands):
-      return operands[:4]
-
-    operands = (
-      state.params,
-      state.opt_state,
-      state.model_state,
-      old_fp8,
-      grads,
-      model_state,
-      new_fp8,
+def _train_step(
+  loss_fn: Callable[..., Any], options: _StepOptions, state: TrainState, batch: Any
+) -> tuple[TrainState, dict[str, Any]]:
+  """One step: loss and grads, unscale, finite check, update, loss-scale and FP8 bookkeeping."""
+  if not isinstance(state, TrainState):
+    raise TypeError(
+      f"train step: state must be an mpjax.TrainState (from TrainState.create), got "
+      f"{type(state).__name__}."
     )
-    if not check:
-      params, opt_state, model_state, fp8_state = apply_update(operands)
-      new_state = state.replace(
-        step=state.step + 1,
-        params=params,
-        opt_state=opt_state,
-        model_state=model_state,
-        fp8=fp8_state,
+  policy, loss_scale, axis_name = state.policy, state.loss_scale, options.axis_name
+  model_fn = loss_fn if options.with_model_state else _with_model_state(loss_fn)
+  use_autocast = options.autocast if options.autocast is not None else policy.is_mixed
+  fp8_state, fp8_scales = _fp8_this_step(
+    model_fn, state, batch, use_autocast, options.autocast_rules
+  )
+  run = _forward(model_fn, policy, batch, use_autocast, options)
+  check = _checks_gradients(options.skip_nonfinite, policy, loss_scale)
+  platform = lowering_platform(state.params)
+
+  out = _loss_and_grads(run, state, batch, fp8_scales, axis_name)
+  new_fp8 = _advance_fp8(fp8_state, out.fp8_scales, out.fp8_amaxes, axis_name)
+  grads, loss, model_state = _unscale_and_average(
+    out.grads, out.loss, out.model_state, loss_scale, axis_name
+  )
+  metrics = {"loss": loss, "loss_scale": loss_scale.loss_scale}
+  if check or options.max_grad_norm is not None:
+    # One pass over the gradients gives both the norm and the finite check:
+    # the sum of squares is non-finite iff some gradient is inf/NaN (or the
+    # norm itself overflows f32, > 1.8e19, a step no one wants applied either).
+    metrics["grad_norm"] = grad_norm = _grad_norm(grads, platform)
+  if options.max_grad_norm is not None:
+    grads = _clip(grads, grad_norm, options.max_grad_norm)
+
+  operands = (
+    state.params,
+    state.opt_state,
+    state.model_state,
+    fp8_state,
+    grads,
+    model_state,
+    new_fp8,
+  )
+  if not check:
+    new_state = _apply(state, operands)
+  else:
+    metrics["grads_finite"] = grads_finite = all_finite(grad_norm, axis_name=axis_name)
+    new_state = _apply_if_finite(state, operands, grads_finite, platform)
+  if out.aux is not None:
+    metrics["aux"] = out.aux
+  return new_state, metrics
+
+
+def _with_model_state(loss_fn: LossFn) -> Callable[..., Any]:
+  """``loss_fn(params, batch)`` as ``(params, model_state, batch) -> (out, model_state)``."""
+
+  def model_fn(params, model_state, batch):
+    return loss_fn(params, batch), model_state
+
+  return model_fn
+
+
+def _fp8_this_step(
+  model_fn: Callable[..., Any],
+  state: TrainState,
+  batch: Any,
+  use_autocast: bool,
+  rules: Mapping[str, str] | None,
+) -> tuple[Fp8State | None, jax.Array | None]:
+  """The FP8 delayed-scaling state (made on the first step) and this step's scales from it."""
+  policy = state.policy
+  if policy.fp8 is not None and not use_autocast:
+    raise ValueError(
+      f"train step: the policy has FP8 GEMMs ({policy.fp8}), which run through autocast, "
+      "but this step does not autocast (autocast=False or cast_params=False). Leave "
+      "autocast and cast_params unset, or use mixed_bf16."
+    )
+  fp8_state = state.fp8
+  if policy.fp8 is not None and fp8_state is None:  # the first step makes the delayed state
+    gemms = count_delayed_fp8_gemms(
+      model_fn, policy, state.params, state.model_state, batch, rules=rules
+    )
+    fp8_state = Fp8State.initial(policy.fp8, gemms) if gemms else None
+  # This step's scale of every FP8 tensor, from its history (delayed scaling).
+  fp8_scales = None if fp8_state is None else delayed_scales(fp8_state, policy.fp8)
+  return fp8_state, fp8_scales
+
+
+def _forward(
+  model_fn: Callable[..., Any],
+  policy: Policy,
+  batch: Any,
+  use_autocast: bool,
+  options: _StepOptions,
+) -> Callable[..., Any]:
+  """``run(fp8_scales, params, model_state, batch)``: ``model_fn`` in the policy's precision."""
+  if use_autocast:  # autocast casts params and batch where each operation uses them
+    return autocast_with_fp8_scales(model_fn, policy, rules=options.autocast_rules)
+  compute_batch = policy.cast_to_compute(batch) if options.cast_batch else batch
+
+  def run(_, params, model_state, __):
+    params = policy.cast_to_compute(params) if options.cast_params else params
+    return model_fn(params, model_state, compute_batch)
+
+  return run
+
+
+def _checks_gradients(skip_nonfinite: bool | None, policy: Policy, loss_scale: LossScale) -> bool:
+  """Whether the step checks its gradients and skips a non-finite update (see make_train_step)."""
+  if skip_nonfinite is None:
+    fp16 = jnp.dtype(policy.compute_dtype) == jnp.float16
+    return fp16 or not isinstance(loss_scale, NoOpLossScale)
+  if not skip_nonfinite and isinstance(loss_scale, DynamicLossScale):
+    raise ValueError(
+      "make_train_step: skip_nonfinite=False with a DynamicLossScale: the scale only comes "
+      "down on a skipped step, so it could never recover from an overflow. Leave "
+      "skip_nonfinite unset, or use StaticLossScale / NoOpLossScale."
+    )
+  return skip_nonfinite
+
+
+class _Grads(NamedTuple):
+  """What the backward pass of the scaled loss gives."""
+
+  grads: Any  # of the scaled loss, with respect to the master params
+  loss: jax.Array  # unscaled, f32
+  aux: Any
+  model_state: Any  # the new model state, in the old one's dtypes
+  fp8_scales: jax.Array | None  # the scales differentiated (varying over axis_name)
+  fp8_amaxes: jax.Array | None  # their "gradient": this step's amaxes (see mpjax.fp8.fp8_dot)
+
+
+def _loss_and_grads(
+  run: Callable[..., Any],
+  state: TrainState,
+  batch: Any,
+  fp8_scales: jax.Array | None,
+  axis_name: Hashable | Sequence[Hashable] | None,
+) -> _Grads:
+  """The scaled loss's gradients with respect to the params (and the FP8 scales)."""
+
+  def scaled_loss(params, fp8_scales):
+    out = run(fp8_scales, params, state.model_state, batch)
+    if not (isinstance(out, (tuple, list)) and len(out) == 2):
+      raise ValueError(
+        "with_model_state=True: loss_fn(params, model_state, batch) must return "
+        f"(loss, new_model_state) or ((loss, aux), new_model_state), got {type(out).__name__}."
       )
-    else:
-      metrics["grads_finite"] = grads_finite = all_finite(grad_norm, axis_name=axis_name)
+    loss, aux = _split_loss(out[0])
+    loss = loss.astype(jnp.float32)
+    return state.loss_scale.scale(loss), (loss, aux, _like(out[1], state.model_state))
 
-      # Per backend (the one the step is traced for). XLA:CPU: a
-      # conditional, so a skipped step costs nothing and a finite one no extra
-      # pass. XLA:GPU: a conditional keeps the update from fusing and copies the
-      # train state in and out of it, so the update is computed and selected
-      # leaf by leaf, which fuses into the optimizer's own kernels.
-      def by_cond(finite, operands):
-        return lax.cond(finite, apply_update, keep, operands)
+  params = state.params
+  if axis_name is not None:
+    params, fp8_scales = _as_varying((params, fp8_scales), axis_name)
+  (grads, fp8_amaxes), (loss, aux, model_state) = jax.grad(
+    scaled_loss, argnums=(0, 1), has_aux=True
+  )(params, fp8_scales)
+  return _Grads(grads, loss, aux, model_state, fp8_scales, fp8_amaxes)
 
-      def by_select(finite, operands):
-        return select_tree(finite, apply_update(operands), keep(operands))
 
-      update = by_cond if platform == "cpu" else by_select
-      params, opt_state, model_state, fp8_state = update(grads_finite, operands)
-      skipped = (~grads_finite).astype(jnp.int32)
-      new_state = state.replace(
-        step=state.step + 1 - skipped,
-        params=params,
-        opt_state=opt_state,
-        loss_scale=loss_scale.adjust(grads_finite),
-        skipped_steps=state.skipped_steps + skipped,
-        model_state=model_state,
-        fp8=fp8_state,
-      )
-    if aux is not None:
-      metrics["aux"] = aux
-    return new_state, metrics
+def _advance_fp8(
+  fp8_state: Fp8State | None,
+  fp8_scales: jax.Array | None,
+  fp8_amaxes: jax.Array | None,
+  axis_name: Hashable | Sequence[Hashable] | None,
+) -> Fp8State | None:
+  """The FP8 state with this step's amaxes pushed into its history."""
+  if fp8_state is None:
+    return None
+  if axis_name is not None:  # the amaxes of all devices' shards
+    fp8_amaxes, fp8_scales = lax.pmax((fp8_amaxes, fp8_scales), axis_name)
+  return advance(fp8_state, fp8_scales, fp8_amaxes)
 
-  return step
+
+def _unscale_and_average(
+  grads: Any,
+  loss: jax.Array,
+  model_state: Any,
+  loss_scale: LossScale,
+  axis_name: Hashable | Sequence[Hashable] | None,
+) -> tuple[Any, jax.Array, Any]:
+  """Unscaled f32 gradients, loss and model state, averaged over ``axis_name``."""
+  # f32 gradients whatever the params' dtype (pure_bf16), for the norm and the update.
+  grads = jax.tree.map(to_f32, loss_scale.unscale(grads))
+  if axis_name is not None:
+    grads, loss = lax.pmean((grads, loss), axis_name)
+    model_state = jax.tree.map(
+      lambda x: lax.pmean(x, axis_name) if is_floating(x) else x, model_state
+    )
+  return grads, loss, model_state
+
+
+def _clip(grads: Any, grad_norm: jax.Array, max_grad_norm: float) -> Any:
+  """``grads`` scaled down to the global norm ``max_grad_norm`` if above it."""
+  return jax.tree.map(lambda g: g * jnp.minimum(1.0, max_grad_norm / grad_norm), grads)
+
+
+# The operands of an update: (params, opt_state, model_state, fp8) as they were, then
+# (grads, model_state, fp8) as this step made them.
+_Operands = tuple[Any, Any, Any, Any, Any, Any, Any]
+
+
+def _update(tx: optax.GradientTransformation, operands: _Operands) -> tuple[Any, Any, Any, Any]:
+  """The optax update: new params, optimizer state, model state and FP8 state."""
+  params, opt_state, _, _, grads, new_model_state, new_fp8 = operands
+  updates, new_opt_state = tx.update(_like(grads, params), opt_state, params)
+  # apply_updates keeps each param's dtype; optimizers may not keep theirs.
+  new_params = optax.apply_updates(params, updates)
+  return new_params, _like(new_opt_state, opt_state), new_model_state, new_fp8
+
+
+def _keep(operands: _Operands) -> tuple[Any, Any, Any, Any]:
+  """Params, optimizer state, model state and FP8 state as they were (a skipped step)."""
+  return operands[:4]
+
+
+def _apply(state: TrainState, operands: _Operands) -> TrainState:
+  """The next state, updated unchecked."""
+  params, opt_state, model_state, fp8_state = _update(state.tx, operands)
+  return state.replace(
+    step=state.step + 1,
+    params=params,
+    opt_state=opt_state,
+    model_state=model_state,
+    fp8=fp8_state,
+  )
+
+
+def _apply_if_finite(
+  state: TrainState, operands: _Operands, grads_finite: jax.Array, platform: str
+) -> TrainState:
+  """The next state: updated if the gradients are finite, else only the loss scale and
+  ``skipped_steps`` move."""
+  apply_update = functools.partial(_update, state.tx)
+  # Per backend (the one the step is traced for). XLA:CPU: a
+  # conditional, so a skipped step costs nothing and a finite one no extra
+  # pass. XLA:GPU: a conditional keeps the update from fusing and copies the
+  # train state in and out of it, so the update is computed and selected
+  # leaf by leaf, which fuses into the optimizer's own kernels.
+  if platform == "cpu":
+    params, opt_state, model_state, fp8_state = lax.cond(
+      grads_finite, apply_update, _keep, operands
+    )
+  else:
+    params, opt_state, model_state, fp8_state = select_tree(
+      grads_finite, apply_update(operands), _keep(operands)
+    )
+  skipped = (~grads_finite).astype(jnp.int32)
+  return state.replace(
+    step=state.step + 1 - skipped,
+    params=params,
+    opt_state=opt_state,
+    loss_scale=state.loss_scale.adjust(grads_finite),
+    skipped_steps=state.skipped_steps + skipped,
+    model_state=model_state,
+    fp8=fp8_state,
+  )
 
 
 def init_fp8_state(step: StepFn, state: TrainState, batch: Any) -> TrainState:

@@ -14,8 +14,9 @@ import jax
 import orbax.checkpoint as ocp
 import pytest
 
-from mpjax import cli
+from mpjax import cli, models
 from mpjax import experiment as ex
+from mpjax.experiment.metrics import read_health
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = sorted(p.stem for p in (ROOT / "configs").glob("*.py"))
@@ -72,6 +73,34 @@ def test_bad_input_is_one_line_and_exit_status_2(argv, message, capsys):
   assert message in err
 
 
+def test_without_the_experiments_extra_the_cli_says_what_to_install_before_any_work():
+  blocked = ["ml_collections", "orbax.checkpoint", "sklearn", "matplotlib", "tqdm"]
+  code = (
+    "import sys\n"
+    f"for name in {blocked!r}:\n"
+    "  sys.modules[name] = None  # as if not installed\n"
+    "import mpjax  # the library needs none of them\n"
+    "from mpjax import cli\n"
+    "codes = [cli.main(['train']), cli.main(['compare', 'digits_mlp', '--policies', 'fp32'])]\n"
+    "print(codes)\n"
+  )
+  env = {k: v for k, v in os.environ.items() if k != "MPJAX_POLICY"}
+  proc = subprocess.run(
+    [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, cwd=ROOT
+  )
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert proc.stdout.strip().splitlines()[-1] == "[1, 1]"
+  lines = [line for line in proc.stderr.splitlines() if line.startswith("mpjax: error: ")]
+  assert [line.split(" needs ")[0] for line in lines] == [
+    "mpjax: error: mpjax train",
+    "mpjax: error: mpjax compare",
+  ], proc.stderr[-3000:]
+  for line in lines:
+    assert "experiments extra (ml_collections, orbax-checkpoint, scikit-learn, matplotlib" in line
+    assert 'pip install "mpjax[experiments]"' in line and 'pip install -e ".[experiments]"' in line
+  assert "Traceback" not in proc.stderr
+
+
 def test_unwritable_run_dir_is_one_line_and_exit_status_2(tmp_path, capsys):
   blocker = tmp_path / "a_file"
   blocker.write_text("")
@@ -89,7 +118,7 @@ def test_resuming_with_a_different_config_is_refused(tmp_path):
 def test_a_checkpoint_of_another_model_version_is_one_clear_error(tmp_path, monkeypatch):
   ex.train(ex.load_config("digits_mlp", ["steps=4", "log_every=2"]), run_dir=tmp_path)
   # the same config, but the model code changed its parameter shapes since the run was saved
-  monkeypatch.setitem(ex.MODELS, "mlp", lambda **kw: ex.models.MLP(**{**kw, "features": (32,)}))
+  monkeypatch.setitem(ex.MODELS, "mlp", lambda **kw: models.MLP(**{**kw, "features": (32,)}))
   with pytest.raises(ex.ConfigError, match="does not fit this config's model.*new --run_dir"):
     ex.train(ex.load_config("digits_mlp", ["steps=8", "log_every=2"]), run_dir=tmp_path)
 
@@ -264,7 +293,7 @@ def test_gradient_health_shows_the_underflow_that_loss_scaling_removes(tmp_path)
   assert set(results) == {"mixed_fp16:none", "mixed_fp16"}
 
   def last_health(run):
-    rows = ex._read_health(tmp_path / run)
+    rows = read_health(tmp_path / run)
     assert [r["step"] for r in rows] == [20, 40, 60]
     return rows[-1]
 
@@ -278,7 +307,7 @@ def test_gradient_health_shows_the_underflow_that_loss_scaling_removes(tmp_path)
   # Nothing is measured when not asked for.
   config = ex.load_config("underflow_demo", ["steps=20", "log_every=10"])
   ex.train(config, run_dir=tmp_path / "plain")
-  assert not ex._read_health(tmp_path / "plain")
+  assert not read_health(tmp_path / "plain")
 
 
 def test_autoprecision_picks_rules_before_training_and_saves_them(tmp_path, capsys):

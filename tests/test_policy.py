@@ -112,9 +112,9 @@ def test_unreadable_spec_kinds():
 
 
 def test_auto_on_cpu_follows_bf16_dot_instructions(monkeypatch):
-  monkeypatch.setattr(policy_module, "_cpu_has_native_bf16_dot", lambda: True)
+  monkeypatch.setattr(policy_module, "cpu_has_native_bf16_dot", lambda: True)
   assert mpjax.get_policy("auto") == mpjax.get_policy("mixed_bf16")
-  monkeypatch.setattr(policy_module, "_cpu_has_native_bf16_dot", lambda: False)
+  monkeypatch.setattr(policy_module, "cpu_has_native_bf16_dot", lambda: False)
   assert mpjax.get_policy("auto") == mpjax.get_policy("fp32")
 
 
