@@ -32,33 +32,41 @@ def lowering_platform(*trees: Any) -> str:
 
 
 _EXTENSION_PACKAGES = ("jax_cuda13_plugin", "jax_cuda12_plugin", "jaxlib.cuda")
+# XLA's CUDA compiler plugins (jax-cuda12-pjrt, jax-cuda13-pjrt), as JAX discovers them.
+_CUDA_PLUGIN_MODULES = ("jax_plugins.xla_cuda12", "jax_plugins.xla_cuda13")
+
+
+def _found(module: str) -> bool:
+  try:
+    return importlib.util.find_spec(module) is not None
+  except (ImportError, ValueError):
+    return False
 
 
 def _quiet_compile_only_cuda_plugin() -> None:
   """Keeps XLA's CUDA compiler plugin from logging a traceback on a machine without CUDA.
 
-  With only ``jax-cuda12-pjrt`` installed (the ``gpu-aot`` extra, for compiling
-  for a GPU target without one) JAX's start-up runs the plugin's CUDA version
-  check, which cannot pass without the CUDA runtime and logs a "Jax plugin
-  configuration error" traceback. That install can never run on a GPU, so the
-  check is skipped (``JAX_SKIP_CUDA_CONSTRAINTS_CHECK``) and the plugin's
-  "cuda_plugin_extension is not found" warning is dropped. A real GPU install
-  (``jax[cuda12]``, which brings the extension) is left alone, as is a user's
-  own setting. Must run before JAX starts its backends (mpjax's import does).
+  With only ``jax-cuda12-pjrt`` or ``jax-cuda13-pjrt`` installed (for compiling
+  for a GPU target without one), JAX's start-up runs the plugin's CUDA version
+  check, which cannot pass without the CUDA runtime: it logs a "Jax plugin
+  configuration error" traceback and the plugin is not registered, so compiling
+  for a GPU fails ("topology not implemented for cuda"). That install can never
+  run on a GPU, so the check is skipped (``JAX_SKIP_CUDA_CONSTRAINTS_CHECK``) and
+  the plugin's "cuda_plugin_extension is not found" warning is dropped. A real
+  GPU install (``jax[cuda12]`` or ``jax[cuda13]``, which bring the extension) is
+  left alone, as is a user's own setting. Must run before JAX starts its
+  backends (mpjax's import does).
   """
   if "JAX_SKIP_CUDA_CONSTRAINTS_CHECK" in os.environ:
     return
-  try:
-    if importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
-      return
-    if any(importlib.util.find_spec(p) is not None for p in _EXTENSION_PACKAGES):
-      return
-  except (ImportError, ValueError):
+  plugins = [m for m in _CUDA_PLUGIN_MODULES if _found(m)]
+  if not plugins or any(_found(p) for p in _EXTENSION_PACKAGES):
     return
   os.environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] = "1"
-  logging.getLogger("jax_plugins.xla_cuda12").addFilter(
-    lambda record: "cuda_plugin_extension" not in record.getMessage()
-  )
+  for module in plugins:
+    logging.getLogger(module).addFilter(
+      lambda record: "cuda_plugin_extension" not in record.getMessage()
+    )
 
 
 _quiet_compile_only_cuda_plugin()  # on import, before anything starts JAX's backends

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import re
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -31,10 +32,10 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax._src.interpreters import partial_eval as pe
 from jax.extend import core as jcore
 
 from mpjax.autocast import _dot_numbers, gemm_flops
+from mpjax.jax_compat import dce_jaxpr, shard_map_manual_axes
 
 __all__ = [
   "AuditReport",
@@ -137,6 +138,8 @@ class CompiledGemm(_Operands):
       over each group of dimensions); empty for a convolution.
     op_name: the ``op_name`` of the instruction's metadata (JAX's name stack).
     epilogue: a cuBLASLt epilogue (``"BIAS"``, ``"GELU"``...) fused into the call.
+    accumulation: the dtype the GEMM accumulates in, where the program says it
+      (``"f32"``, ``"f16"``...), else ``"unknown"``: see :func:`_accumulation`.
   """
 
   name: str
@@ -146,6 +149,7 @@ class CompiledGemm(_Operands):
   dims: Mapping[str, int] = dataclasses.field(default_factory=dict)
   op_name: str = ""
   epilogue: str = ""
+  accumulation: str = "unknown"
 
   @property
   def tensor_core(self) -> bool:
@@ -330,6 +334,36 @@ def _metadata_op_name(instr: _Instr) -> str:
   return match.group(1) if match else ""
 
 
+def _accumulation(
+  instr: _Instr, kind: str, config: Mapping[str, Any], lhs_dtype: str, out_dtype: str
+) -> str:
+  """The dtype a compiled GEMM accumulates in, where the program says it, else ``"unknown"``.
+
+  Read from, in order: a dot algorithm (``precision_config.algorithm`` of a
+  cuBLAS(Lt) call's config, or a ``dot``'s ``algorithm=`` attribute, e.g.
+  ``ALG_DOT_BF16_BF16_F32``: its accumulation type); a result of f32 or wider
+  (the GEMM sums in it); an ``__cublas$lt$matmul$f8`` call (cuBLASLt's FP8 GEMMs
+  have an f32 compute type only); a cuBLAS(Lt) call or Triton GEMM fusion of
+  8- or 16-bit float operands with no algorithm set, which XLA emits with an
+  f32 accumulator (its cuBLAS compute type and its Triton emitter's rule for an
+  unset algorithm). Anything else, e.g. a half-precision ``dot`` left in a loop
+  fusion or a cuDNN convolution writing bf16, does not say: ``"unknown"``.
+  """
+  precision = config.get("precision_config") or {}
+  algorithm = str(precision.get("algorithm", "") or instr.attrs.get("algorithm", "")).upper()
+  named = re.fullmatch(r"(?:ALG_)?DOT_.*_(BF16|F16|F32|F64|TF32)(?:_X\d+|_FAST_ACCUM)?", algorithm)
+  if named:
+    return {"TF32": "f32"}.get(named.group(1), named.group(1).lower())
+  if out_dtype in ("float32", "float64", "complex64", "complex128"):
+    return _short(out_dtype)
+  if kind == "cublas_lt_f8":
+    return "f32"
+  unset = algorithm in ("", "ALG_UNSET")
+  if unset and kind in ("cublas_lt", "cublas", "triton_gemm") and _is_half(lhs_dtype):
+    return "f32"
+  return "unknown"
+
+
 def _gemm_of(
   instr: _Instr, types: Mapping[str, str], call: str, kind: str, config: Mapping[str, Any]
 ) -> CompiledGemm | None:
@@ -373,6 +407,7 @@ def _gemm_of(
     dims=dims,
     op_name=_metadata_op_name(instr),
     epilogue=str(config.get("epilogue", "")),
+    accumulation=_accumulation(instr, kind, config, lhs_t, out[0]),
   )
 
 
@@ -523,9 +558,17 @@ class GemmRow(_Operands):
       (``"__cublas$lt$matmul"``, ``"__triton_gemm"``...); ``"(not found)"``
       where XLA fused, merged or removed it; ``None`` when no HLO was read.
     call_kind: the :attr:`CompiledGemm.kind` of ``call``, or ``None``.
+    compiled_dtypes: the dtypes the compiled GEMM multiplies and writes
+      (``"bf16 x bf16 -> f32"``): where XLA widened FP8 operands, or folded
+      their converts away, they differ from :attr:`dtypes`; ``None`` when no
+      compiled GEMM was matched.
+    accumulation: the compiled GEMM's accumulation dtype where the program
+      says it (``"f32"``), ``"unknown"`` where it does not, ``None`` when no
+      compiled GEMM was matched (see :attr:`CompiledGemm.accumulation`).
     flags: why the GEMM misses the fast path, each a :class:`Flag`.
-    fast: whether it is on the fast path: half-precision operands, f32
-      accumulation, aligned, and on a GPU a Tensor Core call.
+    fast: whether it is on the fast path: half-precision operands (FP8 ones
+      still FP8 in the compiled GEMM), f32 accumulation, aligned, and on a GPU
+      a Tensor Core call.
   """
 
   op: str
@@ -539,6 +582,8 @@ class GemmRow(_Operands):
   note: str = ""
   call: str | None = None
   call_kind: str | None = None
+  compiled_dtypes: str | None = None
+  accumulation: str | None = None
   flags: tuple[Flag, ...] = ()
   fast: bool = False
 
@@ -662,7 +707,7 @@ def _repeat(eqn: Any) -> int:
   if name == "shard_map":
     mesh = eqn.params.get("mesh")
     sizes = dict(getattr(mesh, "shape", {}) or {})
-    return math.prod(int(sizes.get(a, 1)) for a in eqn.params.get("manual_axes", ()))
+    return math.prod(int(sizes.get(a, 1)) for a in shard_map_manual_axes(eqn.params))
   return 1
 
 
@@ -848,13 +893,24 @@ def _flags(row: GemmRow, platform: str) -> tuple[Flag, ...]:
         "back, slower than f32; accumulate in f32 (preferred_element_type=jnp.float32).",
       )
     )
-  if fp8 and row.call_kind is not None and row.call_kind != "cublas_lt_f8":
+  if fp8 and row.compiled_dtypes is not None and not _compiled_fp8(row):
+    multiplied = row.compiled_dtypes.split(" ->")[0]
+    wider = max(multiplied.split(" x "), key=lambda d: int(re.sub(r"\D", "", d[:4]) or 0))
     flags.append(
       Flag(
-        "fp8-not-f8-call",
-        f"FP8 operands, but XLA made it {row.call}, not an FP8 cuBLASLt call: it runs on the "
-        "widened values at the bf16 rate (needs an FP8-capable target, compute capability "
-        ">= 8.9).",
+        "fp8-lost",
+        f"planned FP8, but the compiled GEMM multiplies {multiplied}: the FP8 was lost (XLA "
+        f"widened the f8 operands, or folded their converts away), so it runs at the {wider} "
+        "rate. A quantize -> dequantize -> dot stays FP8 only with Triton GEMMs off, on a GPU "
+        "with FP8 Tensor Cores (compute capability >= 8.9); give lax.dot_general the f8 operands "
+        "themselves, with the scales applied to its output.",
+      )
+    )
+  if row.accumulation not in (None, "unknown", "f32", "f64"):
+    flags.append(
+      Flag(
+        "low-precision-accumulation",
+        f"the compiled GEMM accumulates in {row.accumulation}, not f32: long sums lose precision.",
       )
     )
   if row.call_kind is not None and row.call_kind not in _FAST_CALLS:
@@ -867,11 +923,21 @@ def _flags(row: GemmRow, platform: str) -> tuple[Flag, ...]:
   return tuple(flags)
 
 
+def _compiled_fp8(row: GemmRow) -> bool:
+  """Whether the compiled GEMM matched to ``row`` multiplies FP8 by FP8."""
+  operands = (row.compiled_dtypes or "").split(" ->")[0].split(" x ")
+  return all(o.startswith("f8") for o in operands)
+
+
 def _is_fast(row: GemmRow) -> bool:
   half = _is_half(row.lhs_dtype) and _is_half(row.rhs_dtype)
-  # On a GPU cuBLAS(Lt) and Triton accumulate half-result GEMMs in f32 as well;
-  # on a CPU a half result is flagged above.
-  f32_accumulation = np.dtype(row.out_dtype) == _F32 or _is_half(row.out_dtype)
+  if row.accumulation not in (None, "unknown"):  # the compiled program says it
+    f32_accumulation = row.accumulation in ("f32", "f64")
+  else:
+    # No compiled GEMM read (or it does not say): a half result counts, as on a GPU
+    # cuBLAS(Lt) and Triton accumulate half-result GEMMs in f32; on a CPU a half
+    # result is flagged above.
+    f32_accumulation = np.dtype(row.out_dtype) == _F32 or _is_half(row.out_dtype)
   return half and f32_accumulation and not row.flags
 
 
@@ -931,7 +997,7 @@ class AuditReport:
     """A markdown table (path, shape, dtypes, FLOPs, call, flags), the flags' reasons, the share."""
     with_call = any(r.call is not None for r in self.rows)
     header = ["#", "path", "shape", "dtypes", "precision", "GFLOP"]
-    header += ["call"] if with_call else []
+    header += ["call", "compiled dtypes", "accumulation"] if with_call else []
     header += ["flags"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for i, r in enumerate(self.rows):
@@ -944,7 +1010,8 @@ class AuditReport:
         r.precision,
         f"{r.flops / 1e9:.4g}",
       ]
-      cells += [f"`{r.call}`"] if with_call else []
+      if with_call:
+        cells += [f"`{r.call}`", r.compiled_dtypes or "-", r.accumulation or "-"]
       cells += [", ".join(f.code for f in r.flags) or "-"]
       lines.append("| " + " | ".join(cells) + " |")
     reasons = Counter(f for r in self.rows for f in r.flags)
@@ -962,15 +1029,26 @@ class AuditReport:
       ]
     fp8 = [r for r in self.rows if _is_fp8(r.lhs_dtype) or _is_fp8(r.rhs_dtype)]
     if fp8:
-      f8_calls = sum(r.call_kind == "cublas_lt_f8" for r in fp8)
+      compiled = [r for r in fp8 if r.compiled_dtypes is not None]
+      kept = [r for r in compiled if _compiled_fp8(r)]
+      f8_calls = sum(r.call_kind == "cublas_lt_f8" for r in kept)
       lines += [
         "",
-        f"FP8: {len(fp8)} GEMMs with FP8 operands"
+        f"FP8: {len(fp8)} GEMMs planned with FP8 operands"
         + (
-          f", {f8_calls} of them FP8 cuBLASLt calls (`__cublas$lt$matmul$f8`)."
+          f"; compiled, {len(kept)} multiply FP8 x FP8 ({f8_calls} FP8 cuBLASLt calls "
+          f"`__cublas$lt$matmul$f8`, {len(kept) - f8_calls} f8 dots in fusions) and "
+          f"{len(compiled) - len(kept)} lost their FP8 (`fp8-lost`)."
           if with_call
           else "."
         ),
+      ]
+    unknown = sum(r.accumulation == "unknown" for r in self.rows)
+    if unknown:
+      lines += [
+        "",
+        f"Accumulation: the compiled program does not say it for {unknown} GEMMs (`unknown`); "
+        "the fast-path share counts those that write f32 or a half dtype as accumulating in f32.",
       ]
     lines += [
       "",
@@ -1027,7 +1105,7 @@ def audit_jaxpr(jaxpr: Any, *, platform: str = "cpu", hlo_text: str | None = Non
   # Audit what the program computes: a GEMM whose result nothing uses (the
   # gradient of a convolution with respect to the input image, which a VJP
   # computes and no one asks for) is removed here, as XLA removes it.
-  inner, _ = pe.dce_jaxpr(inner, [True] * len(inner.outvars))
+  inner, _ = dce_jaxpr(inner, [True] * len(inner.outvars))
   rows: list[GemmRow] = []
   _walk(inner, "", 1, "", rows)
   compiled_only: tuple[CompiledGemm, ...] = ()
@@ -1039,6 +1117,12 @@ def audit_jaxpr(jaxpr: Any, *, platform: str = "cpu", hlo_text: str | None = Non
         r,
         call=g.call if g is not None else "(not found)",
         call_kind=g.kind if g is not None else None,
+        compiled_dtypes=(
+          f"{_short(g.lhs_dtype)} x {_short(g.rhs_dtype)} -> {_short(g.out_dtype)}"
+          if g is not None
+          else None
+        ),
+        accumulation=g.accumulation if g is not None else None,
       )
       for r, g in zip(rows, matched, strict=True)
     ]
@@ -1081,7 +1165,7 @@ def audit(
   *args: Any,
   print_report: bool = False,
   target: Any = None,
-  gemm_backend: str = "cublaslt",
+  gemm_backend: str = "default",
   **kwargs: Any,
 ) -> AuditReport:
   """Audits every GEMM and convolution of ``fn(*args, **kwargs)`` as ``jax.jit`` compiles it.
@@ -1100,10 +1184,12 @@ def audit(
     print_report: print the report as a markdown table.
     target: a GPU to audit for on any machine (``"h100"``, a
       :data:`mpjax.TARGETS` name): the function is traced and compiled for it
-      (:func:`mpjax.compile_for`, which needs the ``gpu-aot`` extra) and each
+      (:func:`mpjax.compile_for`, which needs XLA's CUDA compiler plugin) and each
       GEMM is matched to the call it became there.
-    gemm_backend: with ``target``: ``"cublaslt"`` or ``"triton"`` (see
-      :func:`mpjax.compile_for`).
+    gemm_backend: with ``target``, the GEMM mode to compile in:
+      ``"default"``, XLA's default mode as users run it (Triton GEMMs on), or
+      ``"cublaslt"`` (Triton GEMMs off); see :func:`mpjax.compile_for`. The
+      report's ``compiled_note`` says which.
     **kwargs: its keyword arguments.
 
   Returns:
@@ -1130,13 +1216,17 @@ def audit(
   def flat(a, k):
     return fn(*a, **k)
 
-  if target is not None:
-    from mpjax.gpu import compile_for, on_target  # noqa: PLC0415 (mpjax.gpu reads HLO with this module)
+  # mpjax.gpu reads HLO with this module: imported here, when needed.
+  from mpjax.gpu import compile_for, describe_gemm_backend, get_target, on_target  # noqa: PLC0415
 
+  if target is not None:
+    mode = describe_gemm_backend(gemm_backend)  # an unknown mode raises before compiling
     args, kwargs = on_target(target, (args, kwargs))
     jaxpr = jax.make_jaxpr(flat)(args, kwargs)
     hlo_text = compile_for(flat, args, kwargs, target=target, gemm_backend=gemm_backend).as_text()
     report = audit_jaxpr(jaxpr, platform="gpu", hlo_text=hlo_text)
+    where = f"Compiled for {get_target(target).device} without a GPU, in {mode}."
+    report = dataclasses.replace(report, compiled_note=f"{report.compiled_note} {where}")
     if print_report:
       print(report)
     return report
@@ -1146,6 +1236,12 @@ def audit(
   if platform == "gpu":
     hlo_text = jax.jit(flat).lower(args, kwargs).compile().as_text()
   report = audit_jaxpr(jaxpr, platform=platform, hlo_text=hlo_text)
+  if hlo_text is not None:
+    off = re.search(r"--xla_gpu_enable_triton_gemm=(false|0)\b", os.environ.get("XLA_FLAGS", ""))
+    mode = describe_gemm_backend("cublaslt" if off else "default")
+    report = dataclasses.replace(
+      report, compiled_note=f"{report.compiled_note} Compiled here, in {mode} (from XLA_FLAGS)."
+    )
   if print_report:
     print(report)
   return report

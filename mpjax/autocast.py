@@ -50,8 +50,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax._src import config as jax_config
-from jax._src import source_info_util
 from jax.ad_checkpoint import checkpoint_name
 from jax.extend import core as jcore
 
@@ -60,6 +58,13 @@ from mpjax._dtypes import is_castable_dtype as _castable
 from mpjax.fp8 import Fp8Recipe, fp8_dot
 from mpjax.gemm import SAVED as _SAVED
 from mpjax.gemm import mixed_conv, mixed_dot, mixed_ragged_dot
+from mpjax.jax_compat import (
+  scan_layout,
+  shard_map_manual_axes,
+  softmax_custom_jvp,
+  source_info_util,
+  trace_context,
+)
 from mpjax.policy import Policy, get_policy
 
 __all__ = ["autocast", "autocast_report", "AutocastReport", "OP_CLASSES"]
@@ -93,7 +98,7 @@ _FOLLOW = (
   "eq ne lt le gt ge is_finite not and or xor "
   "abs neg sign floor ceil round tanh logistic erf erfc sqrt cbrt sin cos atan real imag "
   "conj iota split sharding_constraint mesh_cast reshard pvary pcast psum pmax pmin "
-  "all_gather all_to_all ppermute psum_scatter axis_index"
+  "psum_invariant all_gather all_to_all ppermute psum_scatter axis_index"
 ).split()
 # Primitives whose params hold a jaxpr typed for the traced dtypes, or whose
 # dtype is part of their meaning: they run as traced, silently.
@@ -700,7 +705,7 @@ def _enter(
     return list(lax.while_loop(cond_fun, body_fun, tuple(_to_dtypes(init, carry_avals))))
 
   if name == "scan":
-    nc, ncarry, closed = p["num_consts"], p["num_carry"], p["jaxpr"]
+    (nc, ncarry), closed = scan_layout(p), p["jaxpr"]
     consts, init, xs = invals[:nc], invals[nc : nc + ncarry], invals[nc + ncarry :]
     xkinds = kinds[nc + ncarry :]
     carry_avals = closed.out_avals[:ncarry]
@@ -724,8 +729,8 @@ def _enter(
 
   if name == "shard_map":
 
-    def body(*xs):
-      return _eval_jaxpr(ctx, p["jaxpr"], (), xs, kinds, path)
+    def body(*xs):  # a tuple, as out_specs is
+      return tuple(_eval_jaxpr(ctx, p["jaxpr"], (), xs, kinds, path))
 
     mapped = jax.shard_map(
       body,
@@ -733,7 +738,7 @@ def _enter(
       in_specs=p["in_specs"],
       out_specs=p["out_specs"],
       check_vma=p["check_vma"],
-      axis_names=p["manual_axes"],
+      axis_names=shard_map_manual_axes(p),
     )
     return list(mapped(*invals))
 
@@ -879,7 +884,7 @@ def _trace(
   static = tuple((i, x) for i, x in enumerate(leaves) if i not in arrays)
   avals = tuple(jax.typeof(leaves[i]) for i in dynamic)
   try:
-    key = (treedef, static, avals, remat, jax_config.trace_context())
+    key = (treedef, static, avals, remat, trace_context())
     hit = cache.get(key)
   except TypeError:  # an unhashable static leaf
     key, hit = None, None
@@ -888,7 +893,7 @@ def _trace(
     return hit
 
   flat_fn = _with_arrays(fn, leaves, treedef, dynamic)
-  with jax_config.softmax_custom_jvp(not remat or jax_config.softmax_custom_jvp.value):
+  with softmax_custom_jvp(not remat or softmax_custom_jvp.value):
     closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*(leaves[i] for i in dynamic))
   out_leaves, out_tree = jax.tree.flatten(out_shape)
   traced = closed, out_tree, [_castable(o.dtype) for o in out_leaves], {}

@@ -23,14 +23,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax._src.interpreters import ad as _ad
-from jax._src.lax import convolution as _conv
-from jax._src.lax import lax as _lax
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 from jax.typing import DTypeLike
 
 from mpjax._backend import lowering_platform
+from mpjax.jax_compat import (
+  UndefinedPrimal,
+  conv_general_dilated_transpose_lhs,
+  conv_general_dilated_transpose_rhs,
+  dot_general_transpose_lhs,
+  dot_general_transpose_rhs,
+  ragged_dot_general_transpose_rule,
+)
 
 __all__ = ["mixed_dot_general"]
 
@@ -188,7 +193,8 @@ def forward_gemm(
   TPU) the GEMM writes the compute dtype itself: cuBLASLt and the TPU
   accumulate a half x half -> half GEMM in f32, and XLA:GPU folds transposes
   into the call, so no f32 intermediate and no separate convert kernel is
-  written.
+  written. FP8 operands (``mpjax.fp8``) go in as they are, writing
+  ``compute_dtype``; on a CPU the caller widens them to bf16 first.
   """
   if platform == "cpu":
     return _dot_f32(lhs, rhs, dimension_numbers, out_sharding).astype(compute_dtype)
@@ -217,7 +223,8 @@ def backward_gemms(
   the update to read, and the one rounding (2^-9 relative) that torch.autocast,
   Flax's ``dtype=bfloat16`` and jmp give every weight gradient. fp16, whose
   range a loss-scaled weight gradient (a sum over the whole batch) can exceed,
-  keeps writing f32 there.
+  keeps writing f32 there. An FP8 ``g`` (``mpjax.fp8``, with FP8 ``lhs`` and
+  ``rhs``) makes both GEMMs write ``lhs_dtype`` and ``rhs_dtype`` themselves.
   """
   if platform == "cpu":
     # The cotangent may arrive transposed (through a transpose after the GEMM).
@@ -229,17 +236,17 @@ def backward_gemms(
     return g.dtype if g.dtype == jnp.bfloat16 else dtype
 
   kw = dict(dimension_numbers=dimension_numbers, precision=None, out_sharding=None)
-  d_lhs = _lax._dot_general_transpose_lhs(
+  d_lhs = dot_general_transpose_lhs(
     g,
-    _ad.UndefinedPrimal(jax.typeof(lhs).update(dtype=written(lhs_dtype))),
+    UndefinedPrimal(jax.typeof(lhs).update(dtype=written(lhs_dtype))),
     rhs,
     preferred_element_type=written(lhs_dtype),
     **kw,
   )
-  d_rhs = _lax._dot_general_transpose_rhs(
+  d_rhs = dot_general_transpose_rhs(
     g,
     lhs,
-    _ad.UndefinedPrimal(jax.typeof(rhs).update(dtype=written(rhs_dtype))),
+    UndefinedPrimal(jax.typeof(rhs).update(dtype=written(rhs_dtype))),
     preferred_element_type=written(rhs_dtype),
     **kw,
   )
@@ -322,8 +329,8 @@ def _mixed_conv_bwd(params, compute_dtype, residuals, g):
   lhs, rhs = residuals
   g = g.astype(compute_dtype)
   kw = dict(params, precision=None, preferred_element_type=jnp.float32)
-  d_lhs = _conv._conv_general_dilated_transpose_lhs(g, lhs, rhs.astype(compute_dtype), **kw)
-  d_rhs = _conv._conv_general_dilated_transpose_rhs(g, lhs.astype(compute_dtype), rhs, **kw)
+  d_lhs = conv_general_dilated_transpose_lhs(g, lhs, rhs.astype(compute_dtype), **kw)
+  d_rhs = conv_general_dilated_transpose_rhs(g, lhs.astype(compute_dtype), rhs, **kw)
   return d_lhs, d_rhs
 
 
@@ -365,12 +372,12 @@ def _mixed_ragged_dot_bwd(dimension_numbers, compute_dtype, residuals, g):
     preferred_element_type=jnp.float32,
     group_offset=None,
   )
-  transpose = _lax._ragged_dot_general_transpose_rule
+  transpose = ragged_dot_general_transpose_rule
   d_lhs = transpose(
-    g, _ad.UndefinedPrimal(jax.typeof(lhs)), rhs.astype(compute_dtype), group_sizes, **kw
+    g, UndefinedPrimal(jax.typeof(lhs)), rhs.astype(compute_dtype), group_sizes, **kw
   )[0]
   d_rhs = transpose(
-    g, lhs.astype(compute_dtype), _ad.UndefinedPrimal(jax.typeof(rhs)), group_sizes, **kw
+    g, lhs.astype(compute_dtype), UndefinedPrimal(jax.typeof(rhs)), group_sizes, **kw
   )[1]
   return d_lhs, d_rhs, None
 

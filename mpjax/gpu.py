@@ -2,17 +2,21 @@
 
 XLA compiles for an NVIDIA GPU on a machine that has none: given a device
 description (a ``GpuTargetConfigProto``) and XLA's CUDA compiler plugin
-(``jax-cuda12-pjrt``, the ``gpu-aot`` extra), ``jax.jit(fn).lower(...)`` yields
-the optimized program XLA:GPU would run. mpjax ships descriptions of the GPUs
-people train on (:data:`TARGETS`), compiles any jitted function for one
-(:func:`compile_for`), and reads what XLA made of it (:func:`kernel_report`):
+(``jax-cuda12-pjrt`` or ``jax-cuda13-pjrt``, of jaxlib's very version),
+``jax.jit(fn).lower(...)`` yields the optimized program XLA:GPU would run.
+mpjax ships descriptions of the GPUs people train on (:data:`TARGETS`),
+compiles any jitted function for one (:func:`compile_for`), and reads what
+XLA made of it (:func:`kernel_report`):
 kernels by kind, converts that stand alone, copies, temp memory, bytes moved
 and a roofline estimate of the step time from the target's peak rates.
 
-Deviceless compilation cannot autotune: XLA keeps every GEMM a Triton fusion
-with placeholder tiles unless Triton GEMMs are turned off
-(``gemm_backend="cublaslt"``, the default here), which shows the cuBLASLt calls
-a real GPU picks among. Both kinds are read.
+Programs are compiled in XLA's default mode, the one users run
+(``gemm_backend="default"``: Triton GEMM fusions on). Deviceless compilation
+cannot autotune, so there every GEMM stays a Triton fusion with placeholder
+tiles, where a real GPU's autotuner picks a tile, or a cuBLASLt call, per GEMM.
+``gemm_backend="cublaslt"`` turns Triton GEMMs off
+(``--xla_gpu_enable_triton_gemm=false``): every GEMM a cuBLAS(Lt) call, as
+XLA falls back to them. Both kinds are read, and every report says its mode.
 """
 
 from __future__ import annotations
@@ -47,16 +51,48 @@ __all__ = [
   "KernelReport",
   "TARGETS",
   "compile_for",
+  "describe_gemm_backend",
+  "gemm_backend_options",
   "get_target",
   "kernel_report",
   "kernel_table",
   "on_target",
 ]
 
-PLUGIN = "jax-cuda12-pjrt"  # what the gpu-aot extra installs
-# Either compiles for a GPU target: jax[cuda13] (as on a CUDA 13 GPU machine) brings the second.
-_PLUGINS = (PLUGIN, "jax-cuda13-pjrt")
-GEMM_BACKENDS = ("cublaslt", "triton")
+# XLA's CUDA compiler plugins: either one, at exactly jaxlib's version, compiles for every GPU
+# target (jax[cuda12] or jax[cuda13] on a GPU machine brings one). Both are published at each
+# jaxlib version mpjax supports; the first is what the README installs.
+_PLUGINS = ("jax-cuda12-pjrt", "jax-cuda13-pjrt")
+
+
+def _plugin_versions() -> dict[str, str]:
+  """The installed compiler plugins and their versions."""
+  installed = {}
+  for name in _PLUGINS:
+    try:
+      installed[name] = importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+      pass
+  return installed
+
+
+def _installed_plugin() -> str:
+  """The compiler plugin in use: one at jaxlib's version, else any installed, else the first."""
+  import jaxlib
+
+  installed = _plugin_versions()
+  matching = [n for n, v in installed.items() if v == jaxlib.__version__]
+  return (matching or list(installed) or list(_PLUGINS))[0]
+
+
+PLUGIN = _installed_plugin()  # the compiler plugin installed ("jax-cuda12-pjrt" if none is)
+# The GEMM modes compile_for takes: XLA's default (Triton GEMM fusions on) and cuBLASLt
+# (Triton GEMMs off); "triton", the first name of "default", is still accepted.
+GEMM_BACKENDS = ("default", "cublaslt", "triton")
+_MODES = {
+  "default": "XLA's default mode (Triton GEMMs on)",
+  "cublaslt": "cuBLASLt mode (Triton GEMMs off: every GEMM a cuBLAS(Lt) call)",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,28 +191,31 @@ def get_target(target: str | GpuTarget) -> GpuTarget:
 
 
 def _check_compiler() -> None:
-  """Raises unless an XLA CUDA compiler plugin matching the installed jaxlib is there."""
+  """Raises unless an XLA CUDA compiler plugin matching the installed jaxlib is there.
+
+  The message gives the command that installs the right one, with jaxlib's version.
+  """
   import jaxlib
 
   wanted = jaxlib.__version__
-  fix = f'pip install --no-deps {PLUGIN}=={wanted}   (or: pip install -e ".[gpu-aot]")'
-  installed = {}
-  for name in _PLUGINS:
-    try:
-      installed[name] = importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-      pass
+  installed = _plugin_versions()
+  if wanted in installed.values():
+    return
+  name = next(iter(installed), _PLUGINS[0])
+  others = " or ".join(n for n in _PLUGINS if n != name)
+  fix = (
+    f"pip install --no-deps {name}=={wanted}   (or {others}=={wanted}; --no-deps keeps "
+    f"jaxlib {wanted})"
+  )
   if not installed:
     raise RuntimeError(
-      f"compiling for a GPU target needs XLA's CUDA compiler plugin, {PLUGIN}, which is not "
-      f"installed; install the one matching jaxlib {wanted}: {fix}"
+      f"compiling for a GPU target needs XLA's CUDA compiler plugin ({' or '.join(_PLUGINS)}) "
+      f"at exactly jaxlib's version, {wanted}; none is installed: {fix}"
     )
-  if wanted not in installed.values():
-    name, version = next(iter(installed.items()))
-    raise RuntimeError(
-      f"{name} {version} does not match jaxlib {wanted}: XLA's compiler plugin must be "
-      f"built with the same jaxlib; {fix}"
-    )
+  raise RuntimeError(
+    f"{name} {installed[name]} does not match jaxlib {wanted}: XLA's compiler plugin must be "
+    f"the same version as jaxlib; {fix}"
+  )
 
 
 @functools.cache
@@ -212,11 +251,43 @@ def _on(mesh: jax.sharding.Mesh, tree: Any) -> Any:
   return jax.tree.map(one, tree)
 
 
+def _gemm_mode(gemm_backend: str) -> str:
+  """``"default"`` or ``"cublaslt"``: the mode ``gemm_backend`` names (``"triton"`` is default)."""
+  if gemm_backend not in GEMM_BACKENDS:
+    raise ValueError(
+      f"gemm_backend={gemm_backend!r} is not one of {GEMM_BACKENDS} ('default': XLA's default "
+      "mode, Triton GEMMs on; 'cublaslt': Triton GEMMs off; 'triton': same as 'default')."
+    )
+  return "default" if gemm_backend == "triton" else gemm_backend
+
+
+def describe_gemm_backend(gemm_backend: str) -> str:
+  """The GEMM mode ``gemm_backend`` names, in words, for reports.
+
+  Example:
+    >>> import mpjax.gpu
+    >>> mpjax.gpu.describe_gemm_backend("default")
+    "XLA's default mode (Triton GEMMs on)"
+  """
+  return _MODES[_gemm_mode(gemm_backend)]
+
+
+def gemm_backend_options(gemm_backend: str) -> dict[str, Any]:
+  """The XLA options :func:`compile_for` compiles with in the mode ``gemm_backend`` names.
+
+  Example:
+    >>> import mpjax.gpu
+    >>> mpjax.gpu.gemm_backend_options("cublaslt")
+    {'xla_gpu_enable_triton_gemm': False}
+  """
+  return {"xla_gpu_enable_triton_gemm": _gemm_mode(gemm_backend) == "default"}
+
+
 def compile_for(
   fn: Callable[..., Any],
   *args: Any,
   target: str | GpuTarget = "h100",
-  gemm_backend: str = "cublaslt",
+  gemm_backend: str = "default",
   **kwargs: Any,
 ) -> jax.stages.Compiled:
   """Compiles ``fn(*args, **kwargs)`` for a GPU, on any machine.
@@ -229,10 +300,12 @@ def compile_for(
     fn: the function, e.g. a jitted train step.
     *args: its arguments (arrays or ``jax.ShapeDtypeStruct`` s).
     target: a :data:`TARGETS` name or a :class:`GpuTarget`.
-    gemm_backend: ``"cublaslt"`` (Triton GEMMs off: every GEMM a cuBLASLt call,
-      what XLA falls back to without autotuning) or ``"triton"`` (XLA's
-      default: Triton GEMM fusions, with placeholder tiles when compiled
-      without a GPU).
+    gemm_backend: ``"default"``, XLA's default mode, the one users run
+      (Triton GEMM fusions on; compiled without a GPU nothing can autotune, so
+      every GEMM is a Triton fusion with placeholder tiles, where a real GPU's
+      autotuner picks tiles or a cuBLASLt call per GEMM), or ``"cublaslt"``
+      (Triton GEMMs off, ``--xla_gpu_enable_triton_gemm=false``: every GEMM a
+      cuBLAS(Lt) call). ``"triton"`` is accepted for ``"default"``.
     **kwargs: its keyword arguments.
 
   Returns:
@@ -248,15 +321,16 @@ def compile_for(
     >>> import jax.numpy as jnp, mpjax
     >>> x = jnp.ones((256, 512), jnp.bfloat16)
     >>> hlo = mpjax.compile_for(jnp.dot, x, x.T, target="h100").as_text()
-    >>> "__cublas$lt$matmul" in hlo
-    True
+    >>> "__triton" in hlo, "__cublas" in hlo  # XLA's default mode: a Triton GEMM fusion
+    (True, False)
+    >>> hlo = mpjax.compile_for(jnp.dot, x, x.T, target="h100", gemm_backend="cublaslt").as_text()
+    >>> "__cublas$lt$matmul" in hlo, "__triton" in hlo
+    (True, False)
   """
   target = get_target(target)
-  if gemm_backend not in GEMM_BACKENDS:
-    raise ValueError(f"gemm_backend={gemm_backend!r} is not one of {GEMM_BACKENDS}.")
+  options = gemm_backend_options(gemm_backend)
   mesh = _mesh(target.name)
   jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
-  options = {"xla_gpu_enable_triton_gemm": gemm_backend == "triton"}
   return jitted.lower(*_on(mesh, args), **_on(mesh, kwargs)).compile(options)
 
 
@@ -307,7 +381,8 @@ class KernelReport:
       count).
     temp_bytes: XLA's temp buffer size (``memory_analysis()``).
     argument_bytes: the size of the arguments (the train state and batch).
-    gemm_backend: ``"cublaslt"`` or ``"triton"``.
+    gemm_backend: the GEMM mode it was compiled in: ``"default"`` (XLA's
+      default, Triton GEMMs on) or ``"cublaslt"`` (Triton GEMMs off).
 
   Example:
     >>> import jax, jax.numpy as jnp, mpjax
@@ -344,6 +419,11 @@ class KernelReport:
     return Counter(k.call for k in self.kernels if k.call)
 
   @property
+  def fp8_gemms(self) -> int:
+    """GEMM kernels that multiply FP8 operands (an FP8 cuBLASLt call or an f8 dot in a fusion)."""
+    return sum(k.kind == "gemm" and _is_fp8_name(k.peak_dtype) for k in self.kernels)
+
+  @property
   def bytes_moved(self) -> int:
     """Bytes read and written by all kernels (each operand once, each result once)."""
     return sum(k.bytes for k in self.kernels)
@@ -361,12 +441,18 @@ class KernelReport:
   @property
   def estimated_seconds(self) -> float:
     """A roofline estimate, not a measurement: each kernel takes the longer of its
-    GEMM FLOPs at the target's Tensor Core peak for its operand dtype and its
+    GEMM FLOPs at the target's Tensor Core peak for the dtype it multiplies (the
+    wider of its two operands: FP8 only where both are FP8, as in an
+    ``__cublas$lt$matmul$f8`` call or an f8 x f8 dot in a Triton fusion) and its
     bytes at the memory bandwidth. Launch overheads and achieved (not peak)
     rates are left out, so a real step is slower."""
     total = 0.0
     for k in self.kernels:
-      compute = k.flops / (self.target.peak_tflops(k.peak_dtype) * 1e12) if k.flops else 0.0
+      compute = 0.0
+      if k.flops:
+        fp8 = _is_fp8_name(k.peak_dtype) and self.target.fp8_tflops is None
+        peak = self.target.peak_tflops("bfloat16" if fp8 else k.peak_dtype)
+        compute = k.flops / (peak * 1e12)
       total += max(compute, k.bytes / (self.target.memory_tbps * 1e12))
     return total
 
@@ -374,9 +460,11 @@ class KernelReport:
     return {
       "target": self.target.name,
       "gemm_backend": self.gemm_backend,
+      "gemm_mode": describe_gemm_backend(self.gemm_backend),
       "kernels": self.count,
       "by_kind": dict(self.by_kind),
       "calls": dict(self.calls),
+      "fp8_gemms": self.fp8_gemms,
       "standalone_converts": self.standalone_converts,
       "bytes_moved": self.bytes_moved,
       "copy_bytes": self.copy_bytes,
@@ -387,7 +475,12 @@ class KernelReport:
     }
 
 
+def _is_fp8_name(dtype: str | None) -> bool:
+  return bool(dtype) and str(dtype).startswith("float8")
+
+
 def _gemm_flops(gemms: list[CompiledGemm]) -> tuple[float, str | None]:
+  """The FLOPs of a kernel's GEMMs, and the dtype they multiply: the wider operand's."""
   flops = 0.0
   dtype = None
   for g in gemms:
@@ -397,7 +490,7 @@ def _gemm_flops(gemms: list[CompiledGemm]) -> tuple[float, str | None]:
       # output elements x 2 x (kernel elements per output channel)
       out_channels = g.rhs_shape[-1] if g.rhs_shape else 1
       flops += 2.0 * math.prod(g.out_shape) * math.prod(g.rhs_shape) / max(out_channels, 1)
-    dtype = g.lhs_dtype
+    dtype = max((g.lhs_dtype, g.rhs_dtype), key=lambda d: np.dtype(d).itemsize)
   return flops, dtype
 
 
@@ -456,7 +549,7 @@ def kernel_report(
   fn: Callable[..., Any],
   *args: Any,
   target: str | GpuTarget = "h100",
-  gemm_backend: str = "cublaslt",
+  gemm_backend: str = "default",
   **kwargs: Any,
 ) -> KernelReport:
   """Compiles ``fn(*args, **kwargs)`` for a GPU target and reads its kernels.
@@ -465,7 +558,8 @@ def kernel_report(
     fn: the function, e.g. a jitted (and donating) train step.
     *args: its arguments (arrays or ``jax.ShapeDtypeStruct`` s).
     target: a :data:`TARGETS` name or a :class:`GpuTarget`.
-    gemm_backend: ``"cublaslt"`` or ``"triton"`` (see :func:`compile_for`).
+    gemm_backend: ``"default"`` (XLA's default mode, Triton GEMMs on) or
+      ``"cublaslt"`` (Triton GEMMs off); see :func:`compile_for`.
     **kwargs: its keyword arguments.
 
   Returns:
@@ -482,12 +576,13 @@ def kernel_report(
     1
   """
   target = get_target(target)
-  compiled = compile_for(fn, *args, target=target, gemm_backend=gemm_backend, **kwargs)
-  return report_from_hlo(compiled.as_text(), target, compiled.memory_analysis(), gemm_backend)
+  mode = _gemm_mode(gemm_backend)
+  compiled = compile_for(fn, *args, target=target, gemm_backend=mode, **kwargs)
+  return report_from_hlo(compiled.as_text(), target, compiled.memory_analysis(), mode)
 
 
 def report_from_hlo(
-  hlo_text: str, target: str | GpuTarget, memory: Any = None, gemm_backend: str = "cublaslt"
+  hlo_text: str, target: str | GpuTarget, memory: Any = None, gemm_backend: str = "default"
 ) -> KernelReport:
   """A :class:`KernelReport` from compiled GPU HLO text (e.g. from a real GPU's compile).
 
@@ -495,7 +590,9 @@ def report_from_hlo(
     hlo_text: ``compiled.as_text()``.
     target: the target whose rates the estimate uses.
     memory: ``compiled.memory_analysis()``, for the temp and argument sizes.
-    gemm_backend: how the program was compiled, for the record.
+    gemm_backend: the GEMM mode the program was compiled in, for the record:
+      ``"default"`` (XLA's default, as on a GPU with no flags set) or
+      ``"cublaslt"`` (``--xla_gpu_enable_triton_gemm=false``).
 
   Returns:
     A :class:`KernelReport`.
@@ -510,7 +607,7 @@ def report_from_hlo(
   kernels = _kernels(comps, entry.group(1), gemms)
   temp = int(getattr(memory, "temp_size_in_bytes", 0) or 0)
   arguments = int(getattr(memory, "argument_size_in_bytes", 0) or 0)
-  return KernelReport(get_target(target), tuple(kernels), temp, arguments, gemm_backend)
+  return KernelReport(get_target(target), tuple(kernels), temp, arguments, _gemm_mode(gemm_backend))
 
 
 def kernel_table(reports: Mapping[str, KernelReport]) -> str:
@@ -544,11 +641,25 @@ def kernel_table(reports: Mapping[str, KernelReport]) -> str:
       f"| {r.copy_bytes / 1e6:.1f} | {r.temp_bytes / 1e6:.1f} "
       f"| {r.estimated_seconds * 1e3:.3f}{ratio(r.estimated_seconds, base.estimated_seconds)} |"
     )
+  modes = {label: describe_gemm_backend(r.gemm_backend) for label, r in reports.items()}
+  mode = (
+    next(iter(modes.values()))
+    if len(set(modes.values())) == 1
+    else "; ".join(f"{label}: {text}" for label, text in modes.items())
+  )
+  t = base.target
+  fp8_peak = f", {t.fp8_tflops:g} FP8" if t.fp8_tflops else ""
+  placeholder = (
+    " Without a GPU nothing autotunes: Triton GEMMs keep placeholder tiles, where a real GPU "
+    "picks tiles, or a cuBLASLt call, per GEMM."
+    if any(r.gemm_backend == "default" for r in reports.values())
+    else ""
+  )
   lines.append(
-    f"\nCompiled for {base.target.device} without a GPU ({base.gemm_backend} GEMMs). The step "
-    "time is a roofline estimate, not a measurement: each kernel takes the longer of its GEMM "
-    f"FLOPs at the dense peak ({base.target.bf16_tflops:g} TFLOP/s bf16, "
-    f"{base.target.tf32_tflops:g} TF32) and its bytes at {base.target.memory_tbps:g} TB/s; "
-    "launch overheads and achieved rates are left out."
+    f"\nCompiled for {t.device} without a GPU, in {mode}.{placeholder} The step time is a "
+    "roofline estimate, not a measurement: each kernel takes the longer of its GEMM FLOPs at "
+    f"the dense peak for the dtype it multiplies ({t.bf16_tflops:g} TFLOP/s bf16{fp8_peak}, "
+    f"{t.tf32_tflops:g} TF32) and its bytes at {t.memory_tbps:g} TB/s; launch overheads and "
+    "achieved rates are left out."
   )
   return "\n".join(lines)

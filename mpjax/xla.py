@@ -5,14 +5,13 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-from jax._src import xla_bridge
+from mpjax.jax_compat import backends_are_initialized
 
 __all__ = ["configure_xla", "pad_to_multiple"]
 
 
 def _backend_started() -> bool:
-  started = getattr(xla_bridge, "backends_are_initialized", None)
-  return started() if started is not None else bool(xla_bridge._backends)
+  return backends_are_initialized()
 
 
 def configure_xla(

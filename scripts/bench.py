@@ -42,11 +42,17 @@ f32. Prints markdown tables; ``--json`` also writes every figure and the tables.
 
     python scripts/bench.py [--models mlp,transformer] [--rounds 15] [--compiles 3] [--json F]
     python scripts/bench.py --target h100 [--models mlp,transformer,gpt2]   # no GPU needed
+    python scripts/bench.py --target h100 --gemm_backend cublaslt   # Triton GEMMs off
 
 With ``--target``, nothing is timed: every variant's step (but Keras's) is
 compiled for that GPU on this machine and its kernel report printed
 (:func:`mpjax.kernel_report`: kernels by kind, standalone converts, bytes
 moved, copies, temp memory and a roofline estimate), as ratios to plain fp32.
+It compiles in XLA's default mode, the one users run (Triton GEMM fusions on,
+with placeholder tiles: nothing autotunes without a GPU), unless
+``--gemm_backend cublaslt`` turns Triton GEMMs off; ``--json`` records the
+mode, the XLA options, ``XLA_FLAGS`` and the jax, jaxlib and compiler plugin
+versions.
 """
 
 from __future__ import annotations
@@ -66,10 +72,10 @@ import jmp
 import numpy as np
 import optax
 from jax import lax
-from jax._src.ad_checkpoint import saved_residuals
 
 import mpjax
 from mpjax.audit import audit_jaxpr
+from mpjax.jax_compat import saved_residuals
 
 
 class MLP(nn.Module):
@@ -380,11 +386,14 @@ def bench(
   return results
 
 
-def gpu_compile(name: str, target: str, small: bool = False) -> dict[str, Any]:
+def gpu_compile(
+  name: str, target: str, small: bool = False, gemm_backend: str = "default"
+) -> dict[str, Any]:
   """Each variant's train step compiled for a GPU target here (no GPU): its kernel report.
 
   With the GPU variants: ``mpjax mixed_fp8 autocast`` (its FP8 state made
-  first, as a training run makes it).
+  first, as a training run makes it). ``gemm_backend``: ``"default"`` (XLA's
+  default mode, Triton GEMMs on) or ``"cublaslt"`` (Triton GEMMs off).
   """
   variants, batch = _variants(name, small, keras=False, fp8=True)
   reports = {}
@@ -392,21 +401,50 @@ def gpu_compile(name: str, target: str, small: bool = False) -> dict[str, Any]:
     state = jax.eval_shape(init)
     if isinstance(state, mpjax.TrainState):
       state = mpjax.init_fp8_state(step, state, batch)
-    reports[label] = mpjax.kernel_report(step, state, batch, target=target)
+    reports[label] = mpjax.kernel_report(
+      step, state, batch, target=target, gemm_backend=gemm_backend
+    )
   return reports
 
 
 def fp8_against_bf16(reports: dict[str, Any]) -> str:
   """How the FP8 step compares with the bf16 one on the target: kernels, bytes, estimated time."""
   fp8, bf16 = reports["mpjax mixed_fp8 autocast"], reports["mpjax mixed_bf16 autocast"]
-  f8_gemms = fp8.calls.get("cublas_lt_f8", 0)
+  f8_calls = fp8.calls.get("cublas_lt_f8", 0)
   return (
     f"mixed_fp8 / mixed_bf16 on {fp8.target.name}: kernels {fp8.count / bf16.count:.2f}x, bytes "
     f"moved {fp8.bytes_moved / bf16.bytes_moved:.2f}x, estimated step time "
     f"{fp8.estimated_seconds / bf16.estimated_seconds:.2f}x (FP8 GEMMs at "
-    f"{fp8.target.fp8_tflops:g} TFLOP/s, bf16 at {fp8.target.bf16_tflops:g}); {f8_gemms} of "
-    f"{sum(fp8.calls.values())} GEMMs are FP8 cuBLASLt calls."
+    f"{fp8.target.fp8_tflops:g} TFLOP/s, bf16 at {fp8.target.bf16_tflops:g}); {fp8.fp8_gemms} of "
+    f"{sum(fp8.calls.values())} GEMMs multiply FP8 operands ({f8_calls} FP8 cuBLASLt calls, "
+    f"{fp8.fp8_gemms - f8_calls} f8 dots in Triton fusions)."
   )
+
+
+def _compile_record(target: str, gemm_backend: str) -> dict[str, Any]:
+  """How ``--target`` compiled: the GEMM mode, the XLA options and flags, the versions."""
+  import importlib.metadata
+
+  import jaxlib
+
+  from mpjax.gpu import describe_gemm_backend, gemm_backend_options
+
+  plugins = {}
+  for plugin in ("jax-cuda12-pjrt", "jax-cuda13-pjrt"):
+    try:
+      plugins[plugin] = importlib.metadata.version(plugin)
+    except importlib.metadata.PackageNotFoundError:
+      pass
+  return {
+    "target": target,
+    "gemm_backend": gemm_backend,
+    "gemm_mode": describe_gemm_backend(gemm_backend),
+    "xla_options": gemm_backend_options(gemm_backend),
+    "XLA_FLAGS": os.environ.get("XLA_FLAGS", ""),
+    "jax": jax.__version__,
+    "jaxlib": jaxlib.__version__,
+    "compiler_plugins": plugins,
+  }
 
 
 def ceiling(rounds: int, small: bool = False) -> dict[str, dict[str, float]]:
@@ -496,23 +534,31 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, dict[str, float]]
     "the gpu-aot extra) and print its kernels, bytes, temp memory and a roofline estimate; "
     "--models may then include gpt2 (GPT-2 small: 12 layers, d768, seq 1024, batch 8)",
   )
+  parser.add_argument(
+    "--gemm_backend",
+    choices=("default", "cublaslt", "triton"),
+    default="default",
+    help="with --target: 'default' compiles in XLA's default mode, the one users run (Triton "
+    "GEMM fusions on); 'cublaslt' turns Triton GEMMs off; 'triton' is 'default' (default: "
+    "%(default)s)",
+  )
   parser.add_argument("--json", help="write every figure and the markdown tables to this file")
   args = parser.parse_args(argv)
   if args.target:
-    from mpjax.gpu import kernel_table
+    from mpjax.gpu import describe_gemm_backend, kernel_table
 
     record, tables = {}, []
+    mode = describe_gemm_backend(args.gemm_backend)
     for name in args.models.split(","):
-      reports = gpu_compile(name, args.target, args.small)
+      reports = gpu_compile(name, args.target, args.small, args.gemm_backend)
       record[name] = {label: r.to_dict() for label, r in reports.items()}
       fp8_line = fp8_against_bf16(reports) if mpjax.get_target(args.target).fp8_tflops else ""
-      tables.append(f"**{name} on {args.target}**\n\n{kernel_table(reports)}\n\n{fp8_line}")
+      tables.append(f"**{name} on {args.target}, {mode}**\n\n{kernel_table(reports)}\n\n{fp8_line}")
       print(tables[-1], end="\n\n", flush=True)
     if args.json:
       with open(args.json, "w") as f:
-        json.dump(
-          {"target": args.target, "results": record, "markdown": "\n\n".join(tables)}, f, indent=2
-        )
+        compiled = _compile_record(args.target, args.gemm_backend)
+        json.dump({**compiled, "results": record, "markdown": "\n\n".join(tables)}, f, indent=2)
     return record
   keras = args.keras == "yes" or (args.keras == "auto" and not args.small)
   if args.keras == "auto" and args.small:

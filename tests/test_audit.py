@@ -303,6 +303,86 @@ def test_parse_compiled_gemms_reads_gpu_hlo():
   json.dumps([g.to_dict() for g in gemms.values()])
 
 
+def test_each_compiled_gemm_says_its_accumulation_where_the_hlo_says_it():
+  acc = {g.name: g.accumulation for g in parse_compiled_gemms(GPU_HLO)}
+  assert acc == {
+    "custom-call.1": "f32",  # writes f32
+    "triton_gemm_dot.3": "f32",
+    "cublas-lt-matmul.2": "f32",  # cuBLASLt's FP8 GEMMs compute in f32 only
+    "custom-call.3": "f32",
+    "cudnn-conv.1": "unknown",  # a bf16 convolution: cuDNN's choice, not in the HLO
+    "loop_tanh_fusion": "f32",
+    "custom-call.9": "f32",  # bf16 x bf16 -> bf16, no algorithm: XLA's cuBLASLt compute type
+  }
+
+
+# A Q/DQ GEMM as XLA's default mode compiles it for an H100 (jax 0.10.2, abridged): the
+# fusion reads the f8 values and widens them to bf16 before the dot; and a bf16 dot with an
+# f16-accumulating algorithm.
+QDQ_HLO = r"""HloModule jit_f, is_scheduled=true
+
+%gemm_fusion_dot_computation {
+  %parameter_0 = f8e4m3fn[256,512]{1,0} parameter(0)
+  %convert.6 = bf16[256,512]{1,0} convert(%parameter_0)
+  %parameter_1 = f8e4m3fn[512,1024]{1,0} parameter(1)
+  %convert.7 = bf16[512,1024]{1,0} convert(%parameter_1)
+  ROOT %dot.1 = f32[256,1024]{1,0} dot(%convert.6, %convert.7), lhs_contracting_dims={1},
+    rhs_contracting_dims={0}, metadata={op_name="jit(f)/dot_general"}
+}
+
+%half_dot_computation (p0: f16[64,128], p1: f16[128,64]) -> f16[64,64] {
+  %p0 = f16[64,128]{1,0} parameter(0)
+  %p1 = f16[128,64]{1,0} parameter(1)
+  ROOT %dot.2 = f16[64,64]{1,0} dot(%p0, %p1), lhs_contracting_dims={1},
+    rhs_contracting_dims={0}, algorithm=dot_f16_f16_f16
+}
+
+ENTRY %main.3 {
+  %x = f8e4m3fn[256,512]{1,0} parameter(0)
+  %w = f8e4m3fn[512,1024]{1,0} parameter(1)
+  %gemm_fusion_dot = f32[256,1024]{1,0} fusion(%x, %w), kind=kCustom,
+    calls=%gemm_fusion_dot_computation,
+    backend_config={"fusion_backend_config":{"kind":"__triton_nested_gemm_fusion"}}
+  %a = f16[64,128]{1,0} parameter(2)
+  %b = f16[128,64]{1,0} parameter(3)
+  %half = f16[64,64]{1,0} fusion(%a, %b), kind=kCustom, calls=%half_dot_computation,
+    backend_config={"fusion_backend_config":{"kind":"__triton_nested_gemm_fusion"}}
+  ROOT %t = (f32[256,1024]{1,0}, f16[64,64]{1,0}) tuple(%gemm_fusion_dot, %half)
+}
+"""
+
+
+def test_a_gemm_planned_in_fp8_that_compiles_to_a_wider_one_is_flagged_fp8_lost():
+  def f(x, w, a, b):
+    dq = [q.astype(jnp.bfloat16) * jnp.bfloat16(2.0) for q in (x, w)]  # dequantize
+    return jnp.dot(*dq, preferred_element_type=jnp.float32), jnp.dot(a, b)
+
+  args = (
+    jnp.ones((256, 512), jnp.float8_e4m3fn),
+    jnp.ones((512, 1024), jnp.float8_e4m3fn),
+    jnp.ones((64, 128), jnp.float16),
+    jnp.ones((128, 64), jnp.float16),
+  )
+  report = audit_jaxpr(jax.make_jaxpr(f)(*args), platform="gpu", hlo_text=QDQ_HLO)
+  fp8, half = report.rows
+  assert fp8.dtypes == "f8_e4m3fn x f8_e4m3fn -> f32"  # planned: FP8 operands, dequantized
+  assert (fp8.call_kind, fp8.compiled_dtypes) == ("triton_gemm", "bf16 x bf16 -> f32")
+  assert [f.code for f in fp8.flags] == ["fp8-lost"] and not fp8.fast
+  assert "multiplies bf16 x bf16: the FP8 was lost" in fp8.flags[0].reason
+  # Read from the program, a half accumulation is flagged too.
+  assert half.accumulation == "f16" and not half.fast
+  assert [f.code for f in half.flags] == ["low-precision-accumulation"]
+  assert report.fast_path_share == 0.0
+  text = str(report)
+  assert "| compiled dtypes | accumulation |" in text and "`fp8-lost`" in text
+  assert "1 GEMMs planned with FP8 operands; compiled, 0 multiply FP8 x FP8" in text
+  data = json.loads(json.dumps(report.to_dict()))
+  assert data["rows"][0]["compiled_dtypes"] == "bf16 x bf16 -> f32"
+  assert data["rows"][1]["accumulation"] == "f16"
+  # The same rows with no compiled program: nothing to say FP8 was lost.
+  assert not audit_jaxpr(jax.make_jaxpr(f)(*args), platform="gpu").rows[0].flags
+
+
 def test_parse_compiled_gemms_on_cpu_compiled_text():
   x = jnp.ones((16, 32))
   text = jax.jit(lambda x: x @ x.T).lower(x).compile().as_text()

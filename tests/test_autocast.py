@@ -11,11 +11,11 @@ import optax
 import pytest
 from flax import nnx
 from jax import lax
-from jax._src.ad_checkpoint import saved_residuals
 from jax.extend import core as jcore
 
 import mpjax
 from mpjax.audit import parse_compiled_gemms
+from mpjax.jax_compat import saved_residuals
 
 BF16, F16, F32 = np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(jnp.float32)
 GEMMS = ("dot_general", "ragged_dot_general", "conv_general_dilated")

@@ -4,14 +4,17 @@ import importlib.metadata
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
+from jax import lax
 
 import mpjax
 import mpjax.gpu
@@ -23,7 +26,9 @@ try:
   importlib.metadata.version(mpjax.gpu.PLUGIN)
 except importlib.metadata.PackageNotFoundError:
   pytest.skip(
-    'needs XLA\'s CUDA compiler plugin: pip install -e ".[gpu-aot]"', allow_module_level=True
+    "needs XLA's CUDA compiler plugin at jaxlib's version: pip install --no-deps "
+    f"{mpjax.gpu.PLUGIN}=={importlib.metadata.version('jaxlib')}",
+    allow_module_level=True,
   )
 
 
@@ -105,16 +110,22 @@ def reports():
       state = state.replace(loss_scale=mpjax.StaticLossScale(1.0))
     else:
       step, state, batch = _lm_step(policy, **kw, **issue_lm)
-    out[name] = mpjax.kernel_report(step, state, batch, target="h100")
+    # The targets below were set on the cuBLASLt mode, where the deviceless program has the
+    # GEMM kernels a GPU runs; XLA's default mode gets placeholder Triton tiles here.
+    out[name] = mpjax.kernel_report(step, state, batch, target="h100", gemm_backend="cublaslt")
   return out
 
 
 @pytest.mark.parametrize("target", sorted(mpjax.TARGETS))
-def test_every_target_compiles_a_bf16_gemm_to_cublaslt(target):
+def test_every_target_compiles_a_bf16_gemm_in_both_gemm_modes(target):
   x = jax.ShapeDtypeStruct((256, 512), jnp.bfloat16)
   w = jax.ShapeDtypeStruct((512, 1024), jnp.bfloat16)
-  for backend, kind in (("cublaslt", "cublas_lt"), ("triton", "triton_gemm")):
-    hlo = mpjax.compile_for(jnp.dot, x, w, target=target, gemm_backend=backend).as_text()
+  # XLA's default mode (also by its first name, "triton") makes a Triton GEMM fusion,
+  # the cuBLASLt mode a cuBLASLt call.
+  modes = ((None, "triton_gemm"), ("triton", "triton_gemm"), ("cublaslt", "cublas_lt"))
+  for backend, kind in modes:
+    mode = {} if backend is None else {"gemm_backend": backend}
+    hlo = mpjax.compile_for(jnp.dot, x, w, target=target, **mode).as_text()
     assert [g.kind for g in parse_compiled_gemms(hlo)] == [kind]
   assert mpjax.get_target(target).peak_tflops(jnp.bfloat16) > mpjax.get_target(target).peak_tflops(
     jnp.float32
@@ -157,7 +168,8 @@ def test_a_checked_step_costs_no_conditional_and_no_copy_of_the_state(reports, c
 @pytest.mark.parametrize("policy, written", [("mixed_bf16", {"bfloat16"}), ("mixed_fp16", None)])
 def test_bf16_weight_gradient_gemms_write_bf16_and_fp16_ones_f32(policy, written):
   step, state, batch = _lm_step(policy)
-  gemms = parse_compiled_gemms(mpjax.compile_for(step, state, batch, target="h100").as_text())
+  compiled = mpjax.compile_for(step, state, batch, target="h100", gemm_backend="cublaslt")
+  gemms = parse_compiled_gemms(compiled.as_text())
   assert {g.kind for g in gemms} == {"cublas_lt"}
   # fp16 writes its weight gradients (a [d_in, d_out] result of a GEMM over the
   # batch) in f32, for range; bf16 has f32's range and writes everything in bf16.
@@ -204,6 +216,19 @@ def test_a_missing_or_mismatched_compiler_plugin_names_the_fix(monkeypatch):
   monkeypatch.setattr(importlib.metadata, "version", cuda13_only)
   mpjax.gpu._check_compiler()  # it compiles as well
 
+  def old_cuda13(name):
+    if name != "jax-cuda13-pjrt":
+      raise importlib.metadata.PackageNotFoundError(name)
+    return "0.0.1"
+
+  monkeypatch.setattr(importlib.metadata, "version", old_cuda13)
+  with pytest.raises(
+    RuntimeError,
+    match=rf"jax-cuda13-pjrt 0\.0\.1 does not match .*pip install --no-deps "
+    rf"jax-cuda13-pjrt=={re.escape(jaxlib.__version__)} +\(or jax-cuda12-pjrt==",
+  ):
+    mpjax.gpu._check_compiler()
+
 
 def test_importing_mpjax_with_the_compiler_plugin_logs_no_traceback():
   env = {
@@ -225,7 +250,7 @@ def test_importing_mpjax_with_the_compiler_plugin_logs_no_traceback():
 CONFIGS = sorted(p.stem for p in (pathlib.Path(__file__).parent.parent / "configs").glob("*.py"))
 
 
-@pytest.mark.parametrize("gemm_backend", ["cublaslt", "triton"])
+@pytest.mark.parametrize("gemm_backend", ["default", "cublaslt"])
 @pytest.mark.parametrize("name", CONFIGS)
 def test_every_shipped_config_audits_on_h100_with_every_gemm_matched(
   name, gemm_backend, monkeypatch
@@ -237,18 +262,28 @@ def test_every_shipped_config_audits_on_h100_with_every_gemm_matched(
   not_found = [(r.path, r.shape) for r in report.rows if r.call in (None, "(not found)")]
   assert not not_found, (report.compiled_note, not_found)
   assert not report.compiled_only, report.compiled_only  # nothing compiled that is not audited
+  assert mpjax.gpu.describe_gemm_backend(gemm_backend) in report.compiled_note
   kinds = {r.call_kind for r in report.rows}
   fp8 = mpjax.get_policy(config.policy).fp8 is not None
-  if gemm_backend == "triton":
+  if gemm_backend == "default":
     assert kinds <= {"triton_gemm", "cudnn"}
   else:
     assert kinds <= {"cublas_lt", "cudnn"} | ({"cublas_lt_f8"} if fp8 else set())
+  fp8_rows = [r for r in report.rows if "f8" in r.dtypes]
+  assert bool(fp8_rows) == fp8
   if fp8 and gemm_backend == "cublaslt":  # every GEMM the recipe puts in FP8 is an FP8 call
-    fp8_rows = [r for r in report.rows if "f8" in r.dtypes]
-    assert fp8_rows and {r.call_kind for r in fp8_rows} == {"cublas_lt_f8"}
+    assert {r.call_kind for r in fp8_rows} == {"cublas_lt_f8"}
     assert "FP8 cuBLASLt calls" in report.to_markdown()
-  if mpjax.get_policy(config.policy).is_mixed and not (fp8 and gemm_backend == "triton"):
-    assert report.fast_path_share == 1.0, [(r.path, [f.code for f in r.flags]) for r in report.rows]
+  # Whatever the mode: a GEMM planned in FP8 either multiplies FP8 compiled, on the fast
+  # path, or is flagged as having lost its FP8.
+  for r in fp8_rows:
+    lost = not r.compiled_dtypes.startswith("f8")
+    assert ("fp8-lost" in [f.code for f in r.flags]) == lost and r.fast == (not lost), r
+  if mpjax.get_policy(config.policy).is_mixed:
+    wide = [r for r in report.rows if r not in fp8_rows]
+    assert all(r.fast for r in wide), [(r.path, [f.code for f in r.flags]) for r in wide]
+    dots = [r for r in report.rows if r.op != "conv_general_dilated"]  # cuDNN does not say
+    assert {r.accumulation for r in dots} == {"f32"}
 
 
 def test_audit_lists_no_gemm_that_the_program_does_not_compute():
@@ -287,7 +322,13 @@ def test_doctor_for_h100_prints_the_audit_and_the_kernel_report():
   )
   assert result.returncode == 0, result.stderr
   out = result.stdout
-  assert "on h100 (compiled here, no GPU needed)" in out and "__cublas$lt$matmul" in out
+  # XLA's default mode unless told otherwise, and every part of the output says so.
+  mode = "XLA's default mode (Triton GEMMs on)"
+  assert f"on h100 (compiled here, no GPU needed, in {mode})" in out
+  assert f"Compiled for NVIDIA H100 SXM 80GB without a GPU, in {mode}." in out
+  assert "`__triton" in out and "__cublas$lt$matmul" not in out
+  assert out.count(mode) >= 3  # the heading, the audit's note and the kernel table's note
+  assert "| compiled dtypes | accumulation |" in out and "| bf16 x bf16 -> f32 | f32 |" in out
   assert "Fast path: 100.0% of" in out
   assert "**Kernels per train step on h100**" in out
   assert "| fp32 | " in out and "| mixed_bf16 | " in out and "roofline estimate" in out
@@ -298,6 +339,12 @@ def test_doctor_for_h100_prints_the_audit_and_the_kernel_report():
     timeout=300,
   )
   assert bad.returncode == 2 and "use one of ['a100', 'b200', 'h100', 'h200', 'l4']" in bad.stderr
+
+
+def test_doctor_in_the_cublaslt_mode_says_so():
+  report = cli.doctor_report(ex.load_config("digits_mlp"), "h100", "cublaslt")
+  assert {r.call for r in report.rows} == {"__cublas$lt$matmul"}
+  assert "in cuBLASLt mode (Triton GEMMs off" in report.compiled_note
 
 
 def test_bench_target_prints_kernel_tables_with_ratios(tmp_path):
@@ -320,11 +367,19 @@ def test_bench_target_prints_kernel_tables_with_ratios(tmp_path):
     timeout=600,
   )
   assert result.returncode == 0, result.stderr
-  assert "**mlp on h100**" in result.stdout and "| plain fp32 | " in result.stdout
+  mode = "XLA's default mode (Triton GEMMs on)"
+  assert f"**mlp on h100, {mode}**" in result.stdout and "| plain fp32 | " in result.stdout
   record = json.loads(out.read_text())
   results = record["results"]["mlp"]
   assert {"plain fp32", "mpjax mixed_bf16 autocast", "flax dtype=bf16", "jmp cast"} <= set(results)
   assert results["plain fp32"]["kernels"] > 0 and results["plain fp32"]["gemm_flops"] > 0
+  # The record says how it compiled: the mode, the XLA options and flags, the versions.
+  assert (record["gemm_backend"], record["gemm_mode"]) == ("default", mode)
+  assert record["xla_options"] == {"xla_gpu_enable_triton_gemm": True}
+  assert record["jax"] == jax.__version__ and record["jaxlib"] and record["compiler_plugins"]
+  assert "XLA_FLAGS" in record
+  assert {r["gemm_backend"] for r in results.values()} == {"default"}
+  assert results["plain fp32"]["calls"] == {"triton_gemm": results["plain fp32"]["by_kind"]["gemm"]}
 
 
 @pytest.fixture(scope="module")
@@ -338,7 +393,7 @@ def test_every_fp8_gemm_of_an_lm_step_is_an_fp8_cublaslt_call_on_h100(fp8_lm):
   # 2 blocks x (qkv, out, up, down) + the head; the first (qkv of block 0) and
   # the last (the head) stay bf16 by default.
   assert state.fp8.gemms == 7
-  report = mpjax.audit(step, state, batch, target="h100")
+  report = mpjax.audit(step, state, batch, target="h100", gemm_backend="cublaslt")
   fp8_rows = [r for r in report.rows if "f8" in r.dtypes]
   # Forward and both backward GEMMs of each: E4M3 x E4M3 forward, E5M2 gradients.
   assert len(fp8_rows) == 3 * state.fp8.gemms
@@ -349,20 +404,24 @@ def test_every_fp8_gemm_of_an_lm_step_is_an_fp8_cublaslt_call_on_h100(fp8_lm):
   # The attention GEMMs (two computed operands) and the kept layers are bf16.
   assert {r.dtypes.split(" ->")[0] for r in others} == {"bf16 x bf16"}
   assert report.fast_path_share == 1.0 and not report.flagged
-  kernels = mpjax.kernel_report(step, state, batch, target="h100")
-  assert kernels.calls["cublas_lt_f8"] == 3 * state.fp8.gemms
+  kernels = mpjax.kernel_report(step, state, batch, target="h100", gemm_backend="cublaslt")
+  assert kernels.calls["cublas_lt_f8"] == kernels.fp8_gemms == 3 * state.fp8.gemms
   assert {k.peak_dtype for k in kernels.kernels if k.call == "cublas_lt_f8"} <= {
     "float8_e4m3fn",
     "float8_e5m2",
   }
 
 
-def test_fp8_gemms_on_a_gpu_without_fp8_tensor_cores_are_flagged(fp8_lm):
+@pytest.mark.parametrize(
+  "gemm_backend", ["default", pytest.param("cublaslt", marks=pytest.mark.slow)]
+)
+def test_fp8_gemms_on_a_gpu_without_fp8_tensor_cores_are_flagged(fp8_lm, gemm_backend):
   step, state, batch = fp8_lm
-  report = mpjax.audit(step, state, batch, target="a100")
+  report = mpjax.audit(step, state, batch, target="a100", gemm_backend=gemm_backend)
   fp8_rows = [r for r in report.rows if "f8" in r.dtypes]
-  assert fp8_rows and {r.call for r in fp8_rows} == {"__cublas$lt$matmul"}  # premise: no f8 call
-  assert all("fp8-not-f8-call" in [f.code for f in r.flags] for r in fp8_rows)
+  # The premise: no compiled GEMM multiplies FP8 on an A100.
+  assert fp8_rows and not any(r.compiled_dtypes.startswith("f8") for r in fp8_rows)
+  assert all("fp8-lost" in [f.code for f in r.flags] for r in fp8_rows)
   assert report.fast_path_share < 1.0
 
 
@@ -382,3 +441,202 @@ def test_fp8_gemm_dims_not_a_multiple_of_16_are_flagged():
     (flag,) = [f for f in row.flags if f.code == "misaligned"]
     assert "multiples of 16" in flag.reason
   assert all(not r.misaligned for r in report.rows if r not in fp8_rows)
+
+
+# --------------------------------------------------------------------------- FP8, as compiled
+
+E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
+
+
+def _qdq(x, dtype, scale):
+  """Quantize -> dequantize, as FP8 recipes wrote it: ``convert(clip(x / s)) * s`` in bf16."""
+  big = float(jnp.finfo(dtype).max)
+  q = jnp.clip(x.astype(jnp.float32) / scale, -big, big).astype(dtype)
+  return q.astype(jnp.bfloat16) * jnp.asarray(scale, jnp.bfloat16)
+
+
+def _codes(row):
+  return [f.code for f in row.flags]
+
+
+@pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16])
+def test_a_qdq_gemm_in_the_default_mode_loses_its_fp8_and_is_flagged(out_dtype):
+  x = jax.ShapeDtypeStruct((256, 512), jnp.bfloat16)
+  w = jax.ShapeDtypeStruct((512, 1024), jnp.bfloat16)
+
+  def f(x, w):
+    return jnp.dot(_qdq(x, E4M3, 2.0), _qdq(w, E4M3, 0.5), preferred_element_type=out_dtype)
+
+  # The premise: compiled for an H100 in XLA's default mode, no GEMM multiplies FP8.
+  hlo = mpjax.compile_for(f, x, w, target="h100").as_text()
+  gemms = parse_compiled_gemms(hlo)
+  assert gemms and "$f8" not in hlo
+  assert not [g for g in gemms if "float8" in g.lhs_dtype + g.rhs_dtype], gemms
+  report = mpjax.audit(f, x, w, target="h100")
+  (row,) = report.rows
+  assert row.dtypes.startswith("f8_e4m3fn x f8_e4m3fn")  # planned FP8
+  assert row.call_kind == "triton_gemm" and row.compiled_dtypes.startswith("bf16 x bf16")
+  assert _codes(row) == ["fp8-lost"] and not row.fast and report.fast_path_share == 0.0
+  assert "multiplies bf16 x bf16: the FP8 was lost" in row.flags[0].reason
+  assert "XLA's default mode (Triton GEMMs on)" in report.compiled_note
+  assert "0 multiply FP8 x FP8" in str(report) and "1 lost their FP8" in str(report)
+  # With Triton GEMMs off the same program is one FP8 cuBLASLt call, on the fast path.
+  lt = mpjax.audit(f, x, w, target="h100", gemm_backend="cublaslt")
+  assert lt.rows[0].call == "__cublas$lt$matmul$f8" and not lt.flagged
+  assert lt.fast_path_share == 1.0
+  # The estimate costs what is multiplied: bf16 here, FP8 there.
+  assert _gemm_peak_dtypes(f, x, w, gemm_backend="default") == ["bfloat16"]
+  assert _gemm_peak_dtypes(f, x, w, gemm_backend="cublaslt") == ["float8_e4m3fn"]
+
+
+def _gemm_peak_dtypes(f, *args, gemm_backend, target="h100"):
+  report = mpjax.kernel_report(f, *args, target=target, gemm_backend=gemm_backend)
+  return [k.peak_dtype for k in report.kernels if k.kind == "gemm"]
+
+
+@pytest.mark.parametrize("lhs, rhs", [(E4M3, E4M3), (E5M2, E4M3)])
+def test_a_direct_fp8_dot_in_the_default_mode_stays_fp8_on_the_fast_path(lhs, rhs):
+  x, w = jax.ShapeDtypeStruct((256, 512), lhs), jax.ShapeDtypeStruct((512, 1024), rhs)
+
+  def f(x, w):
+    return lax.dot_general(x, w, (((1,), (0,)), ((), ())), preferred_element_type=jnp.bfloat16)
+
+  report = mpjax.audit(f, x, w, target="h100")
+  (row,) = report.rows
+  # An f8 x f8 dot inside a Triton GEMM fusion: FP8 on the fast path, no flag.
+  assert row.call_kind == "triton_gemm"
+  assert row.compiled_dtypes.split(" ->")[0] == row.dtypes.split(" ->")[0]
+  assert not row.flags and row.fast and report.fast_path_share == 1.0
+  assert row.accumulation == "f32"
+  assert "1 multiply FP8 x FP8 (0 FP8 cuBLASLt calls" in str(report)
+  kernels = mpjax.kernel_report(f, x, w, target="h100")
+  assert kernels.fp8_gemms == 1 and kernels.to_dict()["fp8_gemms"] == 1
+  assert _gemm_peak_dtypes(f, x, w, gemm_backend="default") == [np.dtype(lhs).name]
+  lt = mpjax.audit(f, x, w, target="h100", gemm_backend="cublaslt")
+  assert lt.rows[0].call_kind == "cublas_lt_f8" and lt.fast_path_share == 1.0
+
+
+def test_the_estimate_costs_an_fp8_gemm_at_the_fp8_peak_and_a_bf16_one_at_the_bf16_peak():
+  from mpjax.gpu import Kernel, KernelReport
+
+  def seconds(target, *dtypes):
+    kernels = tuple(Kernel(f"g{i}", "gemm", 0, 1e15, d) for i, d in enumerate(dtypes))
+    return KernelReport(mpjax.get_target(target), kernels, 0, 0, "default").estimated_seconds
+
+  assert seconds("h100", "float8_e4m3fn") == pytest.approx(1e3 / 1978.9)
+  assert seconds("h100", "float8_e5m2") == pytest.approx(1e3 / 1978.9)
+  assert seconds("h100", "bfloat16") == pytest.approx(1e3 / 989.4)
+  assert seconds("h100", "float32") == pytest.approx(1e3 / 494.7)
+  assert seconds("a100", "float8_e4m3fn") == pytest.approx(1e3 / 312.0)  # no FP8: bf16's rate
+  # A GEMM of an f8 and a bf16 operand multiplies bf16: the wider operand sets the rate.
+  hlo = """ENTRY %main (p0: f8e4m3fn[256,512], p1: bf16[512,1024]) -> f32[256,1024] {
+  %p0 = f8e4m3fn[256,512]{1,0} parameter(0)
+  %p1 = bf16[512,1024]{1,0} parameter(1)
+  ROOT %dot.1 = f32[256,1024]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}"""
+  (kernel,) = mpjax.gpu.report_from_hlo(hlo, "h100").kernels
+  assert kernel.peak_dtype == "bfloat16"
+
+
+# The H200 run that showed FP8 lost (results/gpu/gpu_check_h200.json, jax 0.11.2): gpu_check's
+# char LM (d_model 512, 8 heads, 4 layers, MLP 2048, seq 256, vocabulary 256, batch 16), its
+# mixed_fp8 step then quantize -> dequantize -> dot in FP8 for every layer GEMM but the first
+# (block 0's qkv) and the last (the head), forward and both backward GEMMs. Here the same
+# model at a quarter of every size (seq / d_model, MLP / d_model and vocabulary / d_model kept,
+# so each GEMM's share of the FLOPs is the same), without its optimizer.
+H200_RUN = pathlib.Path(__file__).parent.parent / "results" / "gpu" / "gpu_check_h200.json"
+H200_LM = dict(d=128, heads=2, layers=4, mlp=512, seq=64, vocab=64, batch=4)
+
+
+@jax.custom_vjp
+def _qdq_dense(x, w):
+  return jnp.einsum("bsd,dn->bsn", _qdq(x, E4M3, 0.5), _qdq(w, E4M3, 0.25))
+
+
+def _qdq_dense_fwd(x, w):
+  return _qdq_dense(x, w), (x, w)
+
+
+def _qdq_dense_bwd(residuals, g):
+  x, w = residuals
+  qx, qw, qg = _qdq(x, E4M3, 0.5), _qdq(w, E4M3, 0.25), _qdq(g, E5M2, 2.0)
+  return jnp.einsum("bsn,dn->bsd", qg, qw), jnp.einsum("bsd,bsn->dn", qx, qg)
+
+
+_qdq_dense.defvjp(_qdq_dense_fwd, _qdq_dense_bwd)
+
+
+def _bf16_dense(x, w):
+  return jnp.einsum("bsd,dn->bsn", x, w)
+
+
+def _qdq_lm_grad():
+  """``jax.grad`` of the Q/DQ char LM's loss, and abstract params and tokens."""
+  d, heads = H200_LM["d"], H200_LM["heads"]
+
+  def norm(x):
+    x = x.astype(jnp.float32)
+    mean, var = x.mean(-1, keepdims=True), x.var(-1, keepdims=True)
+    return ((x - mean) * lax.rsqrt(var + 1e-5)).astype(jnp.bfloat16)
+
+  def loss(params, tokens):
+    x = params["embed"][tokens]
+    b, s, _ = x.shape
+    for i, p in enumerate(params["blocks"]):
+      qkv = (_bf16_dense if i == 0 else _qdq_dense)(norm(x), p["qkv"])
+      qkv = qkv.reshape(b, s, 3, heads, d // heads)
+      q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+      scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / 8.0
+      scores = jnp.where(jnp.tril(jnp.ones((s, s), bool)), scores, -1e9)
+      probs = jax.nn.softmax(scores).astype(jnp.bfloat16)
+      x = x + _qdq_dense(jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, s, d), p["out"])
+      x = x + _qdq_dense(jax.nn.gelu(_qdq_dense(norm(x), p["up"])), p["down"])
+    logits = _bf16_dense(norm(x), params["head"]).astype(jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, tokens).mean()
+
+  def bf16(*shape):
+    return jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+
+  block = {"qkv": bf16(d, 3 * d), "out": bf16(d, d), "up": bf16(d, H200_LM["mlp"])}
+  block["down"] = bf16(H200_LM["mlp"], d)
+  params = {
+    "embed": bf16(H200_LM["vocab"], d),
+    "blocks": [block] * H200_LM["layers"],
+    "head": bf16(d, H200_LM["vocab"]),
+  }
+  tokens = jax.ShapeDtypeStruct((H200_LM["batch"], H200_LM["seq"]), jnp.int32)
+  return jax.grad(loss), params, tokens
+
+
+@pytest.mark.slow
+def test_the_h200_run_that_lost_fp8_is_reproduced_without_a_gpu():
+  from mpjax.audit import audit_jaxpr
+
+  # What the H200 recorded: its mixed_fp8 step had no FP8 cuBLASLt call (75 GEMMs: 20
+  # cuBLASLt, 55 Triton fusions), 14.3% of its GEMM FLOPs on the audit's fast path; what
+  # mpjax predicted, compiled without a GPU in the cuBLASLt mode: 45 FP8 cuBLASLt calls.
+  record = json.loads(H200_RUN.read_text())
+  assert record["device"] == "NVIDIA H200"
+  ran = record["variants"]["mixed_fp8 (delayed scaling)"]
+  assert ran["calls"] == "cublas_lt 20, triton_gemm 55" and "f8" not in ran["calls"]
+  assert ran["fast_path_share"] == pytest.approx(1 / 7)
+  predicted = record["prediction"]["mixed_fp8 (delayed scaling)"]["predicted"]
+  assert predicted["calls"] == {"cublas_lt": 30, "cublas_lt_f8": 45}
+
+  grad, params, tokens = _qdq_lm_grad()
+  jaxpr = jax.make_jaxpr(grad)(params, tokens)
+  for mode, share in (("default", ran["fast_path_share"]), ("cublaslt", 1.0)):
+    hlo = mpjax.compile_for(grad, params, tokens, target="h200", gemm_backend=mode).as_text()
+    report = audit_jaxpr(jaxpr, platform="gpu", hlo_text=hlo)
+    fp8_rows = [r for r in report.rows if "f8" in r.dtypes]
+    assert len(report.rows) == 75 and len(fp8_rows) == 45 and not report.compiled_only
+    assert report.fast_path_share == pytest.approx(share)
+    gemms = parse_compiled_gemms(hlo)
+    f8_gemms = [g for g in gemms if "float8" in g.lhs_dtype]
+    if mode == "default":  # as the H200 ran it: no FP8 GEMM, every planned one flagged
+      assert "$f8" not in hlo and not f8_gemms and {g.kind for g in gemms} == {"triton_gemm"}
+      assert all(_codes(r) == ["fp8-lost"] for r in fp8_rows)
+      assert not [r for r in report.rows if r not in fp8_rows and r.flags]
+    else:  # as mpjax predicted it
+      assert len(f8_gemms) == 45 and {g.kind for g in f8_gemms} == {"cublas_lt_f8"}
+      assert not report.flagged
