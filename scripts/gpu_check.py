@@ -1,132 +1,230 @@
-"""GPU check: the fast path audited and timed on one NVIDIA GPU, in at most five minutes.
+"""GPU check: mixed precision timed, FP8 GEMMs counted and a short training run, on one GPU.
 
-For a lent GPU (an H100 or H200); it runs on a CPU too, where the compiled-HLO
-part of the audit is skipped and the numbers mean little. In one process:
+The one prepared script for a lent NVIDIA GPU (an H100 or H200; made to finish
+in about four minutes there), run on that machine's own jax. In one process it:
 
-1. sets the XLA flags that route GEMMs to cuBLASLt (:func:`mpjax.xla.configure_xla`)
-   before JAX starts its backend, and prints the device;
-2. audits the train step of a char-level decoder-only transformer LM like the
-   default config's (d_model 512, 8 heads, 4 layers, MLP 2048, seq 256,
-   vocabulary 256, batch 16, AdamW with clipping) under ``mixed_bf16``: every
-   GEMM should be a cuBLASLt call or a Triton GEMM fusion taking bf16 operands
-   and accumulating in f32;
-3. times one train step (state donated, warm-up, then the median of
-   interleaved rounds) for fp32 at the default matmul precision (TF32 on
-   Ampere and later), fp32 under ``jax.default_matmul_precision("highest")``,
-   ``mixed_bf16`` (autocast), ``mixed_fp16`` with dynamic loss scaling and
-   ``mixed_fp8`` (FP8 layer GEMMs, delayed scaling: on an H100/H200 every FP8
-   GEMM should be an ``__cublas$lt$matmul$f8`` call, the "calls" column);
-4. measures a bf16 x bf16 -> f32 GEMM peak (8192^3) and reports each step's
-   GEMM throughput (the audit's FLOPs over the step time) against it.
+1. records the environment: jax and jaxlib versions, Python, the device kind,
+   the CUDA versions (the CUDA plugin's version queries, the backend's platform
+   version, ``nvidia-smi`` through ``jax.print_environment_info``, and the
+   installed ``jax-cuda*`` / ``nvidia-*`` packages: what exists of these),
+   ``XLA_FLAGS`` as found (the script sets no flag) and the default matmul
+   precision;
+2. times one Adam train step of two models, built by ``scripts/bench.py``
+   (imported, not copied): ``lm``, a 4-layer causal transformer LM (d_model
+   512, 8 heads, MLP 2048, vocabulary 512, seq 256, batch 16) and ``gpt2``,
+   GPT-2 small's shape (12 layers, d_model 768, 12 heads, vocabulary 50304,
+   seq 1024, batch 8). Variants: fp32 at the default matmul precision (TF32 on
+   Ampere and later), ``mixed_bf16`` (mpjax autocast), ``mixed_fp8`` (delayed
+   scaling) compiled twice from one trace, in XLA's default mode and with the
+   compile option ``xla_gpu_enable_triton_gemm=False``, the Flax
+   ``dtype=bfloat16`` peer and jmp's bf16 compute. Each variant is compiled
+   once; steps run with the state donated, warmed up, then the median of
+   interleaved rounds. Per variant: step ms, ratio to fp32, MFU (the step's
+   GEMM FLOPs from :func:`mpjax.audit.audit_jaxpr` of the fp32 step, over the
+   step time, over the device's dense bf16 peak from :func:`mpjax.get_target`),
+   compile seconds and options, the audit's fast-path share and GEMM calls;
+3. for ``mixed_fp8``, whether every FP8 GEMM that mpjax planned (audit rows with
+   an FP8 operand) ran in FP8: the compiled program's GEMMs
+   (:func:`mpjax.audit.parse_compiled_gemms` of ``compiled.as_text()``) with
+   both operands FP8, be it an ``__cublas$lt$matmul$f8`` call or a Triton GEMM
+   fusion whose dot takes f8e4m3fn/f8e5m2 operands;
+4. trains the default experiment (``mpjax train``'s config: a char LM on
+   Python's own source, ``mixed_bf16``) for 200 steps and compares its loss,
+   logged every 20 steps, with a CPU run of the same config and seed
+   (``results/gpu/charlm_cpu_reference.json``): max |loss - loss_cpu| / loss_cpu
+   over the logged steps, and the final and test losses.
 
-Prints one markdown table with ratios to fp32; ``--json`` writes the figures.
+Prints one markdown table (and the training line); ``--json`` writes every
+figure, and is rewritten after each part, so a run cut short keeps what it had.
 
-    python scripts/gpu_check.py [--rounds 20] [--triton-gemm auto|on|off] [--autotune-level N]
-        [--json out.json]
-    python scripts/gpu_check.py --small    # tiny sizes: a smoke test on CPU
+What it does NOT check: numerics of the models it times (random tokens, one
+batch); step time of anything but these two models at these sizes; the
+deviceless prediction (``python scripts/bench.py --target h200``); Triton-off
+for variants other than ``mixed_fp8``; which FP8 GEMM was lost when counts
+differ (it compares counts: planned against compiled); fp16, fp32 at
+``highest`` precision, Keras; multi-GPU. The char LM's corpus is the Python
+standard library's source, so with another Python version the two loss curves
+need not agree closely (``corpus_match`` says whether the token streams were
+the same). On a CPU the Triton option does not apply and is not passed, no FP8
+GEMM exists (XLA:CPU widens FP8 operands), MFU needs ``--peak-tflops``, and
+``--small`` compiles without LLVM optimization (``SMALL_CPU_OPTIONS``).
+
+    python scripts/gpu_check.py [--rounds 20] [--models lm,gpt2] [--no-train] [--json out.json]
+    python scripts/gpu_check.py --small    # tiny sizes: a smoke test on a CPU
+    python scripts/gpu_check.py --write-reference results/gpu/charlm_cpu_reference.json
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
+import datetime
+import hashlib
+import importlib.metadata
+import importlib.util
 import json
+import os
+import pathlib
+import re
+import shlex
+import shutil
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
+import traceback
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-import flax.linen as nn
 import jax
-import jax.numpy as jnp
+import jaxlib
 import numpy as np
-import optax
-from jax import lax
 
-from mpjax.audit import AuditReport, audit_jaxpr
-from mpjax.gpu import kernel_report, report_from_hlo
-from mpjax.train_state import TrainState
-from mpjax.train_step import init_fp8_state, make_train_step
-from mpjax.xla import configure_xla, pad_to_multiple
+import mpjax
+import mpjax.experiment as experiment
+from mpjax.audit import AuditReport, audit_jaxpr, parse_compiled_gemms
 
-FULL = dict(vocab=256, d_model=512, heads=8, layers=4, mlp=2048, seq=256, batch=16, peak=8192)
-SMALL = dict(vocab=61, d_model=32, heads=4, layers=1, mlp=64, seq=16, batch=4, peak=256)
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+REFERENCE = ROOT / "results" / "gpu" / "charlm_cpu_reference.json"
 
 
-class Block(nn.Module):
-  """A pre-norm transformer block: causal self-attention and a GELU MLP."""
-
-  d_model: int
-  heads: int
-  mlp: int
-
-  @nn.compact
-  def __call__(self, x):
-    b, s, _ = x.shape
-    h = nn.LayerNorm()(x)
-    qkv = nn.Dense(3 * self.d_model)(h).reshape(b, s, 3, self.heads, -1)
-    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(q.shape[-1]).astype(q.dtype)
-    causal = jnp.tril(jnp.ones((s, s), bool))
-    scores = jnp.where(causal, scores, jnp.finfo(scores.dtype).min)
-    attention = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores), v)
-    x = x + nn.Dense(self.d_model)(attention.reshape(b, s, self.d_model))
-    h = nn.Dense(self.mlp)(nn.LayerNorm()(x))
-    return x + nn.Dense(self.d_model)(nn.gelu(h))
+def _load_bench() -> Any:
+  """scripts/bench.py as a module (its Flax modules need it in ``sys.modules``)."""
+  spec = importlib.util.spec_from_file_location("bench", ROOT / "scripts" / "bench.py")
+  module = importlib.util.module_from_spec(spec)
+  sys.modules[spec.name] = module
+  spec.loader.exec_module(module)
+  return module
 
 
-class CharLM(nn.Module):
-  """A decoder-only character LM; the vocabulary is padded to a multiple of 8."""
+bench = _load_bench()
 
-  vocab: int
-  d_model: int
-  heads: int
-  layers: int
-  mlp: int
+# model: (bench workload, batch size; small batch size)
+MODELS = {"lm": ("transformer", 16, 4), "gpt2": ("gpt2", 8, 2)}
+TRITON_OFF = {"xla_gpu_enable_triton_gemm": False}
+FP32 = "fp32 (default precision: TF32)"
+VARIANTS = {  # label: (bench variant, compile options)
+  FP32: ("plain fp32", {}),
+  "mixed_bf16 (mpjax autocast)": ("mpjax mixed_bf16 autocast", {}),
+  "mixed_fp8 (XLA default)": ("mpjax mixed_fp8 autocast", {}),
+  "mixed_fp8 (Triton GEMMs off)": ("mpjax mixed_fp8 autocast", TRITON_OFF),
+  "flax dtype=bf16": ("flax dtype=bf16", {}),
+  "jmp (bf16 compute)": ("jmp cast", {}),
+}
+TRAIN = ["steps=200", "checkpoint_every=0"]  # the default config otherwise
+SMALL_TRAIN = TRAIN[1:] + [
+  "steps=20",
+  "log_every=5",
+  "warmup_steps=5",
+  "batch_size=8",
+  "data.seq_len=32",
+  "data.max_chars=60000",
+  "model.d_model=32",
+  "model.n_layers=1",
+  "model.d_ff=64",
+]
+# --small on a CPU: every variant compiled without LLVM optimization (half the compile
+# time); its step times mean nothing there anyway.
+SMALL_CPU_OPTIONS = {"xla_backend_optimization_level": 0}
+_TARGET_OF_DEVICE = (("H200", "h200"), ("H100", "h100"), ("A100", "a100"), ("B200", "b200"))
 
-  @nn.compact
-  def __call__(self, tokens):
-    vocab = pad_to_multiple(self.vocab, 8)
-    x = nn.Embed(vocab, self.d_model)(tokens)
-    x = x + self.param("pos", nn.initializers.normal(0.02), (tokens.shape[1], self.d_model))
-    for _ in range(self.layers):
-      x = Block(self.d_model, self.heads, self.mlp)(x)
-    return nn.Dense(vocab)(nn.LayerNorm()(x))
+
+# --------------------------------------------------------------------------- environment
 
 
-def _step_and_state(sizes: dict[str, int], policy: str) -> tuple[Callable, Callable, Any]:
-  """(jitted train step, fresh-state factory, batch) for the char LM under ``policy``."""
-  model = CharLM(sizes["vocab"], sizes["d_model"], sizes["heads"], sizes["layers"], sizes["mlp"])
-  tokens = jax.random.randint(
-    jax.random.key(0), (sizes["batch"], sizes["seq"] + 1), 0, sizes["vocab"]
-  )
-  batch = {"x": tokens[:, :-1], "y": tokens[:, 1:]}
-  params = model.init(jax.random.key(1), batch["x"])
+_CUDA_QUERIES = (  # key: the CUDA plugin's query (jax._src.lib.cuda_versions)
+  ("cuda_runtime", "cuda_runtime_get_version"),
+  ("cuda_runtime_build", "cuda_runtime_build_version"),
+  ("cuda_driver", "cuda_driver_get_version"),
+  ("cudnn", "cudnn_get_version"),
+  ("cublas", "cublas_get_version"),
+)
 
-  def loss_fn(params, batch):
-    logits = model.apply(params, batch["x"]).astype(jnp.float32)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
 
-  step = jax.jit(make_train_step(loss_fn, max_grad_norm=1.0), donate_argnums=0)
+def _cuda_versions(info: str) -> dict[str, Any]:
+  """What this jax says of CUDA: plugin queries, platform version, nvidia-smi, the wheels."""
+  try:
+    from jax._src.lib import cuda_versions  # private: the plugin's own version queries
+  except ImportError:
+    cuda_versions = None
+  out: dict[str, Any] = {}
+  for key, name in _CUDA_QUERIES:
+    query = getattr(cuda_versions, name, None)
+    try:
+      out[key] = query() if query is not None else None
+    except Exception as e:  # noqa: BLE001 (a query may fail where the driver is odd)
+      out[key] = f"unavailable: {type(e).__name__}: {e}"
+  runtime = out.get("cuda_runtime")
+  if isinstance(runtime, int):  # 12080 -> "12.8"
+    out["cuda_runtime_version"] = f"{runtime // 1000}.{runtime % 1000 // 10}"
+  client = getattr(jax.devices()[0], "client", None)  # "cuda 12080" on a GPU
+  out["platform_version"] = str(getattr(client, "platform_version", None))
+  for key, pattern in (
+    ("nvidia_smi_cuda", r"CUDA Version:\s*([\d.]+)"),
+    ("nvidia_smi_driver", r"Driver Version:\s*([\d.]+)"),
+  ):
+    found = re.search(pattern, info)
+    out[key] = found.group(1) if found else None
+  out["packages"] = {
+    d.metadata["Name"]: d.version
+    for d in importlib.metadata.distributions()
+    if (d.metadata["Name"] or "").lower().replace("_", "-").startswith(("jax-cuda", "nvidia-"))
+  }
+  return out
 
-  def init():
-    return TrainState.create(
-      apply_fn=model.apply, params=params, tx=optax.adamw(3e-3), policy=policy
+
+def _git_commit() -> str | None:
+  """The repository's commit (``-dirty`` with local changes), or None where git cannot tell."""
+  try:
+    done = subprocess.run(
+      ["git", "-C", str(ROOT), "describe", "--always", "--dirty"],
+      capture_output=True,
+      text=True,
+      timeout=20,
     )
+  except (OSError, subprocess.SubprocessError):
+    return None
+  return done.stdout.strip() or None
 
-  return step, init, batch
+
+def environment() -> dict[str, Any]:
+  """Versions, device, CUDA, XLA_FLAGS and the matmul precision this run had."""
+  device = jax.devices()[0]
+  info = jax.print_environment_info(return_string=True) or ""  # runs nvidia-smi on a GPU
+  try:
+    cuda = _cuda_versions(info)
+  except Exception as e:  # noqa: BLE001 (a missing version must not cost the run)
+    cuda = {"error": f"{type(e).__name__}: {e}"}
+  return {
+    "jax": jax.__version__,
+    "jaxlib": jaxlib.__version__,
+    "mpjax": mpjax.__version__,
+    "git": _git_commit(),
+    "python": sys.version.split()[0],
+    "backend": jax.default_backend(),
+    "device_kind": device.device_kind,
+    "device_count": jax.device_count(),
+    "compute_capability": getattr(device, "compute_capability", None),
+    "cuda": cuda,
+    "xla_flags": os.environ.get("XLA_FLAGS", ""),
+    "default_matmul_precision": getattr(jax.config, "jax_default_matmul_precision", None),
+    "environment_info": info,
+  }
 
 
-def _compile(step: Callable, *args: Any) -> tuple[Any, AuditReport, float]:
-  """Traces and compiles once; the audit reads that program (and its HLO on a GPU)."""
-  start = time.perf_counter()
-  traced = step.trace(*args)
-  compiled = traced.lower().compile()
-  seconds = time.perf_counter() - start
-  platform = jax.default_backend()
-  hlo_text = compiled.as_text() if platform == "gpu" else None
-  return compiled, audit_jaxpr(traced.jaxpr, platform=platform, hlo_text=hlo_text), seconds
+def _peak(device_kind: str, override: float | None) -> dict[str, Any]:
+  """The dense bf16 peak MFU is taken against, and where it came from."""
+  if override:
+    return {"tflops": override, "source": "--peak-tflops"}
+  target = next((t for key, t in _TARGET_OF_DEVICE if key in device_kind), None)
+  if target is None:
+    return {"tflops": None, "source": f"no mpjax target for {device_kind!r}: MFU not computed"}
+  bf16 = mpjax.get_target(target).bf16_tflops
+  return {"tflops": bf16, "source": f"mpjax.get_target({target!r}).bf16_tflops"}
+
+
+# --------------------------------------------------------------------------- timing
 
 
 def _median_ms(runs: dict[str, tuple[Callable, Any]], rounds: int) -> dict[str, float]:
@@ -145,193 +243,322 @@ def _median_ms(runs: dict[str, tuple[Callable, Any]], rounds: int) -> dict[str, 
   return {label: statistics.median(t) * 1e3 for label, t in times.items()}
 
 
-def _gemm_peak(n: int, rounds: int) -> tuple[float, float]:
-  """(milliseconds, TFLOP/s) of an n^3 bf16 x bf16 -> f32 GEMM."""
-  a = jax.random.normal(jax.random.key(2), (n, n), jnp.bfloat16)
-  b = jax.random.normal(jax.random.key(3), (n, n), jnp.bfloat16)
-  gemm = jax.jit(lambda a, b: lax.dot(a, b, preferred_element_type=jnp.float32))
-  compiled = gemm.lower(a, b).compile()
-  ms = _median_ms({"peak": (lambda _: compiled(a, b), None)}, rounds)["peak"]
-  return ms, 2.0 * n**3 / (ms * 1e-3) / 1e12
+def _fresh_state(step: Callable, init: Callable, batch: Any) -> Any:
+  """A new state (the step donates it); an FP8 one with the state its first step would make."""
+  state = init()
+  return mpjax.init_fp8_state(step, state, batch) if isinstance(state, mpjax.TrainState) else state
 
 
-def _calls(report: AuditReport) -> str:
-  kinds = Counter(r.call_kind or ("(not found)" if r.call else "-") for r in report.rows)
-  return ", ".join(f"{kind} {n}" for kind, n in sorted(kinds.items()))
+def _is_f8(dtype: str) -> bool:
+  return dtype.startswith("float8")
 
 
-_TARGET_OF_DEVICE = (
-  ("H200", "h200"),
-  ("H100", "h100"),
-  ("A100", "a100"),
-  ("B200", "b200"),
-  ("L4", "l4"),
-)
-
-
-def _prediction(
-  programs: dict[str, tuple], step_ms: dict[str, float], device_kind: str
-) -> tuple[str, dict[str, Any]]:
-  """What mpjax predicts without a GPU (mpjax.kernel_report) against what this GPU compiled.
-
-  For the nearest shipped target, each variant's step is compiled deviceless
-  (cuBLASLt GEMMs, as XLA falls back to without autotuning) and its kernels,
-  GEMM calls, temp memory and roofline estimate set beside those of the
-  program this device compiled (read the same way) and the measured step time.
-  On a CPU only the prediction is shown.
-  """
-  target = next((t for key, t in _TARGET_OF_DEVICE if key in device_kind), "h100")
-  on_gpu = jax.default_backend() == "gpu"
-  lines = [
-    f"**prediction ({target}, compiled without a GPU) against this device's program**",
-    "",
-    "| variant | kernels predicted | kernels here | GEMM calls predicted | GEMM calls here "
-    "| temp MB predicted | temp MB here | est. ms | measured ms |",
-    "|---|---|---|---|---|---|---|---|---|",
-  ]
-  figures = {"target": target}
-  for label, (step, state, batch, compiled) in programs.items():
-    if "highest" in label:  # the precision context is not part of the step: left out
-      continue
-    predicted = kernel_report(step, state, batch, target=target)
-    real = (
-      report_from_hlo(compiled.as_text(), target, compiled.memory_analysis()) if on_gpu else None
-    )
-
-    def calls(r):
-      return ", ".join(f"{k} {n}" for k, n in sorted(r.calls.items())) if r else "-"
-
-    lines.append(
-      f"| {label} | {predicted.count} | {real.count if real else '-'} | {calls(predicted)} "
-      f"| {calls(real)} | {predicted.temp_bytes / 1e6:.1f} "
-      f"| {f'{real.temp_bytes / 1e6:.1f}' if real else '-'} "
-      f"| {predicted.estimated_seconds * 1e3:.3f} | {step_ms[label]:.2f} |"
-    )
-    figures[label] = {"predicted": predicted.to_dict(), "here": real.to_dict() if real else None}
-  return "\n".join(lines), figures
-
-
-def run(sizes: dict[str, int], rounds: int) -> dict[str, Any]:
-  """Audits and times the variants; returns every figure and the markdown."""
-  device = jax.devices()[0]
-  print(f"device: {device.device_kind} ({jax.default_backend()}), jax {jax.__version__}\n")
-  variants = {  # label: (policy, matmul precision context)
-    "fp32 (default precision: TF32)": ("fp32", None),
-    "fp32 (precision highest)": ("fp32", "highest"),
-    "mixed_bf16 (autocast)": ("mixed_bf16", None),
-    "mixed_fp16 (dynamic loss scale)": ("mixed_fp16", None),
-    "mixed_fp8 (delayed scaling)": ("mixed_fp8", None),
+def fp8_count(report: AuditReport, hlo: str) -> dict[str, Any]:
+  """FP8 GEMMs mpjax planned (the audit) against compiled GEMMs with both operands FP8 (HLO)."""
+  planned = sum(_is_f8(r.lhs_dtype) or _is_f8(r.rhs_dtype) for r in report.rows)
+  compiled = parse_compiled_gemms(hlo)
+  f8 = [g for g in compiled if _is_f8(g.lhs_dtype) and _is_f8(g.rhs_dtype)]
+  audit_view = {  # the audit's own FP8 figures, where this mpjax has them
+    name: getattr(report, name)
+    for name in dir(type(report))
+    if "fp8" in name and not name.startswith("_") and isinstance(getattr(report, name), int | float)
   }
-  compiled_runs, reports, compile_s, programs = {}, {}, {}, {}
-  for label, (policy, precision) in variants.items():
-    step, init, batch = _step_and_state(sizes, policy)
-    state = init_fp8_state(step, init(), batch)  # FP8: the state its first step would make
-    scope = jax.default_matmul_precision(precision) if precision else contextlib.nullcontext()
-    with scope:  # the precision is read when the step is traced
-      compiled, reports[label], compile_s[label] = _compile(step, state, batch)
-      programs[label] = (step, state, batch, compiled)
-
-    def call(state, compiled=compiled, batch=batch):
-      return compiled(state, batch)[0]
-
-    compiled_runs[label] = (call, state)
-
-  default = reports["mixed_bf16 (autocast)"]
-  print("**audit: mixed_bf16 train step**\n")
-  print(default, end="\n\n")
-  # On a GPU autocast's GEMMs write bf16 (cuBLASLt and Triton accumulate in f32 inside);
-  # the audit's fast path checks half operands with f32 accumulation, whatever is written.
-  fast = default.fast_path_share == 1.0
-  verdict = (
-    f"every GEMM half x half with f32 accumulation: {'yes' if fast else 'NO'}; "
-    f"flagged: {len(default.flagged)} of {len(default.rows)}; "
+  audit_view["flags"] = dict(
+    Counter(f.code for r in report.rows for f in r.flags if "f8" in f.code or "fp8" in f.code)
   )
-  if jax.default_backend() == "gpu":
-    tensor_core = all(r.call_kind in ("cublas_lt", "triton_gemm") for r in default.rows)
-    verdict += f"every GEMM on cuBLASLt or a Triton GEMM fusion: {'yes' if tensor_core else 'NO'}"
-  else:
-    verdict += "calls: unknown without a GPU"
-  print(verdict, end="\n\n")
+  return {
+    "planned": planned,
+    "compiled_f8": len(f8),
+    "compiled_f8_by_kind": dict(Counter(g.kind for g in f8)),
+    "compiled_gemms": len(compiled),
+    "lost": max(planned - len(f8), 0),
+    "all_planned_in_fp8": planned > 0 and len(f8) >= planned,
+    "audit": audit_view,
+  }
 
-  step_ms = _median_ms(compiled_runs, rounds)
-  peak_ms, peak_tflops = _gemm_peak(sizes["peak"], rounds)
-  base = step_ms["fp32 (default precision: TF32)"]
+
+# --------------------------------------------------------------------------- one model
+
+
+def _batch(name: str, small: bool) -> Any:
+  """bench.py's workload batch, at this script's batch size (random tokens)."""
+  workload, batch_size, small_batch_size = MODELS[name]
+  sizes = bench._workload(workload, small)[3]
+  shape = (small_batch_size if small else batch_size, sizes["seq"] + 1)
+  tokens = jax.random.randint(jax.random.key(0), shape, 0, sizes["vocab"])
+  return {"x": tokens[:, :-1], "y": tokens[:, 1:]}, dict(sizes, batch=shape[0])
+
+
+def _compile_one(
+  traced: Any, lowered: Any, source: str, options: dict, base: dict
+) -> tuple[dict, Any]:
+  """(figures, executable) of one variant: compiled with ``base`` and, on a GPU, ``options``."""
+  on_gpu = jax.default_backend() == "gpu"
+  applied = {**base, **(options if on_gpu else {})}
+  start = time.perf_counter()
+  compiled = lowered.compile(applied or None)
+  seconds = time.perf_counter() - start
+  hlo = compiled.as_text()
+  report = audit_jaxpr(
+    traced.jaxpr, platform=jax.default_backend(), hlo_text=hlo if on_gpu else None
+  )
+  figures = {
+    "source": f"scripts/bench.py {source!r}",
+    "compile_options": applied,
+    "compile_s": seconds,
+    "gemm_flops": report.total_flops,
+    "fast_path_share": report.fast_path_share,
+    "calls": dict(Counter(r.call_kind or "unknown" for r in report.rows)),
+  }
+  if options and not on_gpu:
+    figures["compile_note"] = (
+      f"{options} not passed: it applies to XLA:GPU only (backend {jax.default_backend()})"
+    )
+  if "fp8" in source:
+    figures["fp8"] = fp8_count(report, hlo)
+  return figures, compiled
+
+
+def _compile_variants(name: str, small: bool) -> tuple[dict[str, dict], dict[str, tuple], dict]:
+  """Each variant traced once (the FP8 pair shares one trace) and compiled once; audited.
+
+  ``compile_s`` is tracing, lowering and compiling, but for a variant that reuses
+  another's trace (``trace_reused``), where it is compiling only. A variant that
+  fails to compile is recorded with its error and left out of the timing.
+  """
+  built, _ = bench._variants(MODELS[name][0], small, keras=False, fp8=True)
+  batch, sizes = _batch(name, small)
+  base = SMALL_CPU_OPTIONS if small and jax.default_backend() == "cpu" else {}
+  figures, runs, traces = {}, {}, {}
+  for label, (source, options) in VARIANTS.items():
+    step, init, _, _ = built[source]
+    state = _fresh_state(step, init, batch)
+    reused, start = source in traces, time.perf_counter()
+    if not reused:
+      traced = step.trace(state, batch)
+      traces[source] = (traced, traced.lower())
+    trace_s = time.perf_counter() - start
+    try:
+      figures[label], compiled = _compile_one(*traces[source], source, options, base)
+    except Exception as e:  # noqa: BLE001 (e.g. a compile option this XLA does not know)
+      figures[label] = {"compile_options": options, "error": f"{type(e).__name__}: {e}"}
+      continue
+    figures[label].update(compile_s=figures[label]["compile_s"] + trace_s, trace_reused=reused)
+    print(f"  {name} {label}: compiled in {figures[label]['compile_s']:.1f} s", flush=True)
+
+    def call(carry, compiled=compiled):
+      return compiled(carry, batch)[0]
+
+    runs[label] = (call, state)
+  return figures, runs, sizes
+
+
+def measure_model(name: str, small: bool, rounds: int, peak_tflops: float | None) -> dict:
+  """One model's variants: compiled, audited, timed side by side; ratios and MFU."""
+  start = time.perf_counter()
+  figures, runs, sizes = _compile_variants(name, small)
+  step_ms = _median_ms(runs, rounds)
+  del runs  # the states: free the device memory before the next model
+  model_flops = figures[FP32]["gemm_flops"]
+  for label, f in figures.items():
+    if label not in step_ms:  # did not compile
+      continue
+    f["step_ms"] = step_ms[label]
+    f["step_ratio"] = step_ms[label] / step_ms[FP32]
+    tflops = model_flops / (step_ms[label] * 1e-3) / 1e12
+    f["model_tflops"] = tflops
+    f["mfu"] = tflops / peak_tflops if peak_tflops else None
+  return {
+    "sizes": sizes,
+    "model_flops": model_flops,
+    "seconds": time.perf_counter() - start,
+    "variants": figures,
+  }
+
+
+# --------------------------------------------------------------------------- training
+
+
+def train_charlm(small: bool) -> dict[str, Any]:
+  """The default experiment (mixed_bf16) for 200 steps (``--small``: a tiny one): its losses."""
+  overrides = SMALL_TRAIN if small else TRAIN
+  config = experiment.load_config(None, overrides)
+  tokens = np.asarray(experiment.Experiment(config).dataset.train["tokens"])
+  run_dir = pathlib.Path(tempfile.mkdtemp(prefix="gpu_check_train_"))
+  start = time.perf_counter()
+  try:
+    summary = experiment.train(config, run_dir=run_dir)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+  finally:
+    shutil.rmtree(run_dir, ignore_errors=True)
+  return {
+    "config": config.name,
+    "overrides": overrides,
+    "policy": summary["policy"],
+    "seed": config.seed,
+    "steps": summary["steps"],
+    "losses": {str(r["step"]): r["loss"] for r in rows if "loss" in r},
+    "final_loss": summary["loss"],
+    "test_loss": summary["test_loss"],
+    "skipped_steps": summary["skipped_steps"],
+    "steps_per_second": summary["steps_per_second"],
+    "seconds": time.perf_counter() - start,
+    "corpus": {
+      "python": sys.version.split()[0],
+      "sha256": hashlib.sha256(tokens.tobytes()).hexdigest()[:16],
+    },
+  }
+
+
+def compare_losses(run: dict[str, Any], reference: dict[str, Any] | None) -> dict[str, Any]:
+  """max |loss - loss_cpu| / loss_cpu over the steps both logged, and the final losses."""
+  if reference is None:
+    return {"compared": False, "note": "no CPU reference found"}
+  if reference["overrides"] != run["overrides"] or reference["seed"] != run["seed"]:
+    note = f"the reference is for {reference['overrides']} (seed {reference['seed']})"
+    return {"compared": False, "note": note}
+  steps = sorted(set(run["losses"]) & set(reference["losses"]), key=int)
+  if not steps:
+    return {"compared": False, "note": "no logged step in common with the reference"}
+  diffs = [abs(run["losses"][s] - reference["losses"][s]) / reference["losses"][s] for s in steps]
+  return {
+    "compared": True,
+    "steps": [int(s) for s in steps],
+    "loss_cpu": {s: reference["losses"][s] for s in steps},
+    "max_rel_diff": max(diffs),
+    "max_rel_diff_step": int(steps[diffs.index(max(diffs))]),
+    "final_loss": run["final_loss"],
+    "final_loss_cpu": reference["final_loss"],
+    "test_loss": run["test_loss"],
+    "test_loss_cpu": reference["test_loss"],
+    "corpus_match": run["corpus"] == reference["corpus"],
+    "reference_jax": reference["jax"],
+    "reference_date": reference["date"],
+  }
+
+
+def reference_record(run: dict[str, Any], argv: list[str]) -> dict[str, Any]:
+  """A training run (from :func:`train_charlm`) as a CPU reference: with command, versions, date."""
+  return {
+    "what": "CPU reference of the char LM training that scripts/gpu_check.py compares against",
+    "command": shlex.join(["python", "scripts/gpu_check.py", *argv]),
+    "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    "jax": jax.__version__,
+    "jaxlib": jaxlib.__version__,
+    "git": _git_commit(),
+    "device": experiment.device_description(),
+    **run,
+  }
+
+
+# --------------------------------------------------------------------------- report
+
+
+def markdown(figures: dict[str, Any]) -> str:
+  """One table of every model and variant, then the training comparison."""
   lines = [
-    "| variant | step ms | vs fp32 | GEMM TFLOP/s | of bf16 peak | fast path | calls | compile s |",
+    "| model | variant | step ms | vs fp32 | MFU | FP8 GEMMs in FP8 / planned | fast path "
+    "| compile s |",
     "|---|---|---|---|---|---|---|---|",
   ]
-  figures: dict[str, Any] = {"device": device.device_kind, "backend": jax.default_backend()}
-  figures["variants"] = {}
-  for label, report in reports.items():
-    tflops = report.total_flops / (step_ms[label] * 1e-3) / 1e12
-    figures["variants"][label] = {
-      "step_ms": step_ms[label],
-      "step_ratio": step_ms[label] / base,
-      "gemm_tflops": tflops,
-      "peak_fraction": tflops / peak_tflops,
-      "fast_path_share": report.fast_path_share,
-      "gemm_flops": report.total_flops,
-      "calls": _calls(report),
-      "precisions": sorted({r.precision for r in report.rows}),
-      "compile_s": compile_s[label],
-    }
+  for model, m in figures["models"].items():
+    for label, v in m.get("variants", {}).items():
+      if "error" in v:
+        lines.append(f"| {model} | {label} | failed: {v['error'][:80]} | | | | | |")
+        continue
+      mfu = f"{100 * v['mfu']:.1f}%" if v.get("mfu") is not None else "-"
+      fp8 = v.get("fp8")
+      f8 = f"{fp8['compiled_f8']} / {fp8['planned']}" if fp8 else "-"
+      lines.append(
+        f"| {model} | {label} | {v['step_ms']:.2f} | {v['step_ratio']:.3f}x | {mfu} | {f8} "
+        f"| {100 * v['fast_path_share']:.0f}% | {v['compile_s']:.1f} |"
+      )
+  env = figures["environment"]
+  cuda = env["cuda"].get("cuda_runtime_version") or env["cuda"].get("nvidia_smi_cuda")
+  lines += [
+    "",
+    f"{env['device_kind']}, jax {env['jax']}, jaxlib {env['jaxlib']}, CUDA {cuda or '-'}, "
+    f"XLA_FLAGS={env['xla_flags']!r}; MFU against {figures['peak']['source']}.",
+  ]
+  if figures.get("errors"):
+    lines.append(f"failed (tracebacks in the JSON): {', '.join(figures['errors'])}.")
+  t = figures.get("training", {}).get("comparison")
+  if t and t.get("compared"):
     lines.append(
-      f"| {label} | {step_ms[label]:.2f} | {step_ms[label] / base:.3f}x | {tflops:.1f} | "
-      f"{100 * tflops / peak_tflops:.1f}% | {100 * report.fast_path_share:.0f}% | "
-      f"{_calls(report)} | {compile_s[label]:.1f} |"
+      f"char LM ({figures['training']['steps']} steps, {figures['training']['policy']}): final "
+      f"loss {t['final_loss']:.4f} here, {t['final_loss_cpu']:.4f} on CPU; max |dloss|/loss "
+      f"{100 * t['max_rel_diff']:.2f}% (step {t['max_rel_diff_step']}); corpus the same: "
+      f"{t['corpus_match']}."
     )
-  n = sizes["peak"]
-  lines.append(
-    f"| bare GEMM {n}^3 bf16 x bf16 -> f32 | {peak_ms:.2f} | - | {peak_tflops:.1f} | 100% "
-    "| - | - | - |"
-  )
-  table = "\n".join(lines)
-  print(table)
-  prediction, figures["prediction"] = _prediction(programs, step_ms, device.device_kind)
-  print(f"\n{prediction}")
-  table += f"\n\n{prediction}"
-  figures.update(
-    peak_ms=peak_ms,
-    peak_tflops=peak_tflops,
-    verdict=verdict,
-    audit=default.to_dict(),
-    markdown=f"{default}\n\n{verdict}\n\n{table}",
-  )
-  return figures
+  elif t:
+    lines.append(f"char LM: not compared with the CPU: {t['note']}.")
+  return "\n".join(lines)
+
+
+def _measure(args: argparse.Namespace, name: str, figures: dict[str, Any]) -> None:
+  peak = figures["peak"]["tflops"]
+  figures["models"][name] = measure_model(name, args.small, args.rounds, peak)
+
+
+def _save(figures: dict[str, Any], path: str | None) -> None:
+  if path:
+    figures["markdown"] = markdown(figures)
+    pathlib.Path(path).write_text(json.dumps(figures, indent=2, default=str) + "\n")
+
+
+def _guarded(part: str, figures: dict, fn: Callable[[], Any]) -> Any:
+  """Runs one part; a failure is recorded (and printed) and the run goes on to the next."""
+  try:
+    return fn()
+  except Exception:  # noqa: BLE001 (one run on a lent GPU: keep the other parts)
+    figures.setdefault("errors", {})[part] = traceback.format_exc(limit=8)
+    print(f"{part} failed:\n{figures['errors'][part]}", file=sys.stderr, flush=True)
+    return None
+
+
+def _train(args: argparse.Namespace, figures: dict[str, Any]) -> None:
+  run = train_charlm(args.small)
+  path = pathlib.Path(args.reference)
+  reference = json.loads(path.read_text()) if path.is_file() else None
+  comparison = compare_losses(run, reference)
+  figures["training"] = {**run, "reference": str(path), "comparison": comparison}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
+  argv = sys.argv[1:] if argv is None else list(argv)
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--rounds", type=int, default=20, help="timed interleaved rounds")
-  parser.add_argument("--small", action="store_true", help="tiny sizes (a smoke test)")
-  parser.add_argument(
-    "--triton-gemm",
-    choices=("auto", "on", "off"),
-    default="auto",
-    help="Triton GEMM fusions: XLA's choice by autotuning, forced on, or off (cuBLASLt only)",
-  )
-  parser.add_argument(
-    "--autotune-level",
-    type=int,
-    help="XLA's GPU autotuning level (0-4; default XLA's): lower compiles faster",
-  )
-  parser.add_argument(
-    "--keep-xla-flags",
-    action="store_true",
-    help="do not set XLA flags (needed when JAX's backend already started, as in tests)",
-  )
-  parser.add_argument("--json", help="write the figures to this JSON file")
+  parser.add_argument("--small", action="store_true", help="tiny sizes (a CPU smoke test)")
+  parser.add_argument("--models", default="lm,gpt2", help="comma-separated: lm, gpt2")
+  parser.add_argument("--no-train", action="store_true", help="skip the char LM training")
+  parser.add_argument("--reference", default=str(REFERENCE), help="the CPU reference JSON")
+  parser.add_argument("--peak-tflops", type=float, help="bf16 peak for MFU (default: the GPU's)")
+  parser.add_argument("--write-reference", metavar="PATH", help="only train here and save")
+  parser.add_argument("--json", help="write the figures to this JSON file (after each part)")
   args = parser.parse_args(argv)
-  if not args.keep_xla_flags:  # before anything starts the backend
-    triton = {"auto": None, "on": True, "off": False}[args.triton_gemm]
-    extra = (
-      () if args.autotune_level is None else (f"--xla_gpu_autotune_level={args.autotune_level}",)
-    )
-    print(f"XLA_FLAGS={configure_xla(cublaslt=True, triton_gemm=triton, extra_flags=extra)}")
-  figures = run(SMALL if args.small else FULL, args.rounds)
-  if args.json:
-    with open(args.json, "w") as f:
-      json.dump(figures, f, indent=2)
+  if args.write_reference:  # only the training, here (a CPU), saved as the reference
+    record = reference_record(train_charlm(args.small), argv)
+    pathlib.Path(args.write_reference).write_text(json.dumps(record, indent=2) + "\n")
+    print(f"wrote {args.write_reference}: final loss {record['final_loss']:.4f}")
+    return record
+  env = environment()
+  print(f"{env['device_kind']} ({env['backend']}), jax {env['jax']}, jaxlib {env['jaxlib']}")
+  figures = {"environment": env, "small": args.small, "rounds": args.rounds, "models": {}}
+  figures["peak"] = _peak(env["device_kind"], args.peak_tflops)
+  figures["variants_compiled"] = {label: opts for label, (_, opts) in VARIANTS.items()}
+  parts = [
+    (name, lambda name=name: _measure(args, name, figures)) for name in args.models.split(",")
+  ]
+  if not args.no_train:  # after the first model: GPT-2, the slowest part, comes last
+    parts.insert(1, ("training", lambda: _train(args, figures)))
+  for part, run in parts:
+    start = time.perf_counter()
+    _guarded(part, figures, run)
+    print(f"{part}: {time.perf_counter() - start:.0f} s", flush=True)
+    _save(figures, args.json)
+  figures["markdown"] = markdown(figures)
+  print(figures["markdown"], flush=True)
+  _save(figures, args.json)
   return figures
 
 

@@ -118,28 +118,50 @@ def test_bench_script_keras_peer_ceiling_and_json(tmp_path, capsys, monkeypatch)
   assert "| keras mixed_bfloat16 |" in record["markdown"] and record["markdown"] in out
 
 
-def test_gpu_check_script_runs_small(capsys):
+def test_gpu_check_script_runs_small(tmp_path, capsys):
+  import json
+
   gpu_check = _script("gpu_check")
-  jax.devices()  # JAX's backend has started, as in any program that already used it
-  with pytest.raises(RuntimeError, match="already started"):  # flags come before the backend
-    gpu_check.main(["--small"])
-  figures = gpu_check.main(["--small", "--rounds", "2", "--keep-xla-flags"])
-  variants = figures["variants"]
-  assert set(variants) == {
-    "fp32 (default precision: TF32)",
-    "fp32 (precision highest)",
-    "mixed_bf16 (autocast)",
-    "mixed_fp16 (dynamic loss scale)",
-    "mixed_fp8 (delayed scaling)",
+  out = tmp_path / "gpu_check.json"
+  argv = ["--small", "--models", "gpt2", "--rounds", "2", "--peak-tflops", "1", "--json", str(out)]
+  figures = gpu_check.main([*argv, "--reference", str(tmp_path / "none.json")])
+  assert json.loads(out.read_text())["markdown"] == figures["markdown"]
+  assert "errors" not in figures
+  env = figures["environment"]
+  assert env["jax"] == jax.__version__ and env["jaxlib"] and env["device_kind"]
+  assert {"cuda_runtime", "cudnn", "platform_version", "nvidia_smi_cuda", "packages"} <= set(
+    env["cuda"]
+  )
+  assert "xla_flags" in env and "default_matmul_precision" in env
+  variants = figures["models"]["gpt2"]["variants"]
+  assert set(variants) == set(gpu_check.VARIANTS)
+  fp32 = variants["fp32 (default precision: TF32)"]
+  assert fp32["step_ratio"] == 1.0 and figures["models"]["gpt2"]["model_flops"] > 0
+  for v in variants.values():
+    assert v["step_ms"] > 0 and v["step_ratio"] > 0 and v["compile_s"] >= 0
+    assert v["mfu"] == pytest.approx(fp32["mfu"] / v["step_ratio"])  # the same model FLOPs
+  off, default = variants["mixed_fp8 (Triton GEMMs off)"], variants["mixed_fp8 (XLA default)"]
+  # On a CPU the Triton option is not passed (said so); --small compiles at XLA:CPU's -O0.
+  assert default["compile_options"] == off["compile_options"] == gpu_check.SMALL_CPU_OPTIONS
+  assert off["trace_reused"] and "applies to XLA:GPU only" in off["compile_note"]
+  assert figures["variants_compiled"]["mixed_fp8 (Triton GEMMs off)"] == {
+    "xla_gpu_enable_triton_gemm": False
   }
-  assert variants["fp32 (default precision: TF32)"]["step_ratio"] == 1.0
-  assert variants["fp32 (precision highest)"]["precisions"] == ["HIGHEST"]
-  assert variants["fp32 (default precision: TF32)"]["precisions"] == ["DEFAULT"]
-  assert variants["mixed_bf16 (autocast)"]["fast_path_share"] == 1.0
-  assert variants["mixed_fp16 (dynamic loss scale)"]["fast_path_share"] == 1.0
-  assert variants["mixed_fp8 (delayed scaling)"]["fast_path_share"] == 1.0
-  assert variants["fp32 (precision highest)"]["fast_path_share"] == 0.0
-  assert all(v["gemm_flops"] > 0 and v["gemm_tflops"] > 0 for v in variants.values())
-  assert figures["peak_tflops"] > 0 and "flagged: 0 of" in figures["verdict"]
-  out = capsys.readouterr().out
-  assert "| mixed_bf16 (autocast) |" in out and "| bare GEMM 256^3 bf16 x bf16 -> f32 |" in out
+  for fp8 in (off["fp8"], default["fp8"]):  # XLA:CPU widens FP8: planned, none compiled
+    assert fp8["planned"] > 0 and fp8["compiled_f8"] == 0 and fp8["compiled_gemms"] > 0
+    assert fp8["lost"] == fp8["planned"] and fp8["all_planned_in_fp8"] is False
+  assert variants["mixed_bf16 (mpjax autocast)"]["fast_path_share"] == 1.0
+  training = figures["training"]
+  assert training["policy"] == "mixed_bf16" and training["steps"] == 20
+  assert len(training["losses"]) == 4 and training["final_loss"] < training["losses"]["5"]
+  assert training["comparison"] == {"compared": False, "note": "no CPU reference found"}
+  # Against itself, saved as a reference: compared, no difference.
+  same = gpu_check.compare_losses(training, gpu_check.reference_record(training, argv))
+  assert same["compared"] and same["max_rel_diff"] == 0.0 and same["corpus_match"]
+  assert "| gpt2 | mixed_fp8 (XLA default) |" in capsys.readouterr().out
+  # The CPU reference the GPU run compares with: the script's config, 200 steps, loss every 20.
+  reference = json.loads(gpu_check.REFERENCE.read_text())
+  assert reference["overrides"] == gpu_check.TRAIN and reference["seed"] == 0
+  assert sorted(map(int, reference["losses"])) == list(range(20, 201, 20))
+  assert reference["jax"] and reference["date"] and "--write-reference" in reference["command"]
+  assert gpu_check.compare_losses(reference, reference)["max_rel_diff"] == 0.0
