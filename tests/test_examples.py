@@ -1,4 +1,4 @@
-"""The README's code runs as a user would run it, and so do the benchmark scripts."""
+"""The code of README.md and docs/ runs as a user would run it, and so do the benchmark scripts."""
 
 import importlib.util
 import pathlib
@@ -14,36 +14,46 @@ from flax import nnx
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
-def _readme_code(section: str) -> str:
-  text = (ROOT / "README.md").read_text().split(f"## {section}\n", 1)[1]
+def _doc_code(doc: str, heading: str) -> str:
+  """The first python block after a heading line (e.g. "## Quickstart") of README.md or docs/."""
+  text = (ROOT / doc).read_text().split(f"{heading}\n", 1)[1]
   return re.search(r"```python\n(.*?)```", text, re.S).group(1)
 
 
+def _run_section(doc: str, heading: str, namespace: dict) -> dict:
+  exec(compile(_doc_code(doc, heading), f"{doc} {heading}", "exec"), namespace)
+  return namespace
+
+
 def test_readme_quickstart_and_checkpoint_run(capsys):
-  namespace: dict = {}
-  exec(compile(_readme_code("Quickstart"), "README.md quickstart", "exec"), namespace)
+  namespace = _run_section("README.md", "## Quickstart", {})
   state, metrics = namespace["state"], namespace["metrics"]
   assert int(state.step) == 1 and bool(metrics["grads_finite"])
   assert float(metrics["loss_scale"]) == 2.0**15
   assert capsys.readouterr().out.strip()
-  exec(compile(_readme_code("Checkpoints"), "README.md checkpoints", "exec"), namespace)
+  _run_section("docs/train_step.md", "## Checkpoints", namespace)
   chex.assert_trees_all_equal(namespace["restored"].params, state.params)
   assert float(namespace["restored"].loss_scale.loss_scale) == 2.0**15
-  section = "Autocast: every operation in the right precision"
-  exec(compile(_readme_code(section), "README.md autocast", "exec"), namespace)
+  _run_section("docs/autocast.md", "# Autocast: every operation in the right precision", namespace)
   assert namespace["logits"].dtype == "float32"
   report = namespace["report"]
   assert 0 < report.lowered_share < 1  # the rule kept the last layer in f32
   assert "layers_2" in str(report)
 
 
-def _run_section(section: str, namespace: dict) -> dict:
-  exec(compile(_readme_code(section), f"README.md {section}", "exec"), namespace)
-  return namespace
+def test_every_readme_code_block_runs_after_the_quickstart():
+  text = (ROOT / "README.md").read_text()
+  namespace: dict = {}
+  for block in re.findall(r"```python\n(.*?)```", text, re.S):
+    exec(compile(block, "README.md", "exec"), namespace)
+  x = jnp.ones((2, 64))
+  params = namespace["Classifier"]().init(jax.random.key(0), x)
+  assert namespace["Classifier"]().apply(params, x).dtype == jnp.bfloat16
+  assert namespace["net"].body.dtype == jnp.bfloat16 and namespace["net"].head.dtype is None
 
 
 def test_readme_numerics_test_file_passes():
-  ns = _run_section("Test your model's numerics", {})
+  ns = _run_section("docs/testing.md", "# Test your model's numerics", {})
   tests = [f for name, f in ns.items() if name.startswith("test_")]
   assert len(tests) == 3
   for test in tests:
@@ -51,7 +61,7 @@ def test_readme_numerics_test_file_passes():
 
 
 def test_readme_flax_linen_loop_trains_with_f32_masters_on_the_fast_path(capsys):
-  ns = _run_section("Flax linen", {})
+  ns = _run_section("docs/flax.md", "## Flax linen", {})
   assert float(ns["metrics"]["loss"]) < 0.3  # digits: chance is ln(10) = 2.3
   assert {x.dtype for x in jax.tree.leaves(ns["state"].params)} == {jnp.dtype("float32")}
   assert ns["report"].fast_path_share == 1.0 and not ns["report"].flagged  # backward too
@@ -59,13 +69,13 @@ def test_readme_flax_linen_loop_trains_with_f32_masters_on_the_fast_path(capsys)
 
 
 def test_readme_flax_nnx_loop_and_the_audit_of_its_step(capsys):
-  ns = _run_section("Flax NNX", {})
+  ns = _run_section("docs/flax.md", "## Flax NNX", {})
   net = ns["net"]
   assert float(ns["metrics"]["loss"]) < 0.3
   assert net.body.dtype == jnp.bfloat16 and net.head.dtype is None  # the head was excluded
   assert {x.dtype for x in jax.tree.leaves(ns["state"].params)} == {jnp.dtype("float32")}
   chex.assert_trees_all_equal(nnx.state(net, nnx.Param), ns["state"].params)
-  _run_section("Prove the fast path: audit, XLA flags, alignment, benchmarks", ns)
+  _run_section("docs/audit_and_gpu.md", "## The audit", ns)
   assert {row.dtypes for row in ns["report"].flagged} == {"f32 x f32 -> f32"}
   assert "Fast path: 72.7%" in capsys.readouterr().out
 
