@@ -22,10 +22,10 @@ from mpjax.fp8 import Fp8State as Fp8State
 from mpjax.gemm import mixed_dot_general as mixed_dot_general
 from mpjax.gpu import TARGETS as TARGETS
 from mpjax.gpu import GpuTarget as GpuTarget
-from mpjax.gpu import KernelReport as KernelReport
 from mpjax.gpu import compile_for as compile_for
 from mpjax.gpu import get_target as get_target
-from mpjax.gpu import kernel_report as kernel_report
+from mpjax.kernels import KernelReport as KernelReport
+from mpjax.kernels import kernel_report as kernel_report
 from mpjax.loss_scale import DynamicLossScale as DynamicLossScale
 from mpjax.loss_scale import LossScale as LossScale
 from mpjax.loss_scale import NoOpLossScale as NoOpLossScale

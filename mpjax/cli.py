@@ -201,7 +201,7 @@ def doctor_kernels(
   Raises:
     ConfigError: for a policy that cannot be read.
   """
-  from mpjax.gpu import kernel_report
+  from mpjax.kernels import kernel_report
 
   reports = {}
   for policy in policies:
@@ -215,7 +215,8 @@ def doctor_kernels(
 
 def _doctor(config: Any, parsed: argparse.Namespace) -> None:
   from mpjax.experiment import ConfigError
-  from mpjax.gpu import describe_gemm_backend, get_target, kernel_table
+  from mpjax.gpu import describe_gemm_backend, get_target
+  from mpjax.kernels import kernel_table
 
   target = parsed.target
   if target is not None:

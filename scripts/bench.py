@@ -531,7 +531,8 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, dict[str, float]]
   parser.add_argument(
     "--target",
     help="instead of timing here: compile every variant for this GPU (h100, a100, ...; needs "
-    "the gpu-aot extra) and print its kernels, bytes, temp memory and a roofline estimate; "
+    "XLA's CUDA compiler plugin, see the README) and print its kernels, bytes, temp memory and "
+    "a roofline estimate; "
     "--models may then include gpt2 (GPT-2 small: 12 layers, d768, seq 1024, batch 8)",
   )
   parser.add_argument(
@@ -545,7 +546,8 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, dict[str, float]]
   parser.add_argument("--json", help="write every figure and the markdown tables to this file")
   args = parser.parse_args(argv)
   if args.target:
-    from mpjax.gpu import describe_gemm_backend, kernel_table
+    from mpjax.gpu import describe_gemm_backend
+    from mpjax.kernels import kernel_table
 
     record, tables = {}, []
     mode = describe_gemm_backend(args.gemm_backend)

@@ -11,6 +11,7 @@ from jax import lax
 
 import mpjax
 from mpjax.audit import audit, audit_jaxpr, parse_compiled_gemms
+from mpjax.kernels import report_from_hlo
 
 
 def _mlp():
@@ -478,7 +479,7 @@ def test_the_hlo_reader_reads_a_train_step_that_an_h200_compiled_and_autotuned()
   assert len(gemms) == 75  # 25 in the forward pass, 50 in the backward
   assert {g.kind for g in gemms} == {"triton_gemm", "cublas_lt"}
   assert {(g.lhs_dtype, g.rhs_dtype) for g in gemms} == {("bfloat16", "bfloat16")}
-  report = mpjax.gpu.report_from_hlo(hlo, "h200")
+  report = report_from_hlo(hlo, "h200")
   assert report.by_kind["gemm"] == 75 and report.by_kind["conditional"] == 0
   assert report.count > 75 and report.bytes_moved > 0
   assert report.flops > 0 and {k.peak_dtype for k in report.kernels if k.kind == "gemm"} == {

@@ -18,6 +18,7 @@ from jax import lax
 
 import mpjax
 import mpjax.gpu
+import mpjax.kernels
 from mpjax import cli
 from mpjax import experiment as ex
 from mpjax.audit import parse_compiled_gemms
@@ -517,7 +518,7 @@ def test_a_direct_fp8_dot_in_the_default_mode_stays_fp8_on_the_fast_path(lhs, rh
 
 
 def test_the_estimate_costs_an_fp8_gemm_at_the_fp8_peak_and_a_bf16_one_at_the_bf16_peak():
-  from mpjax.gpu import Kernel, KernelReport
+  from mpjax.kernels import Kernel, KernelReport
 
   def seconds(target, *dtypes):
     kernels = tuple(Kernel(f"g{i}", "gemm", 0, 1e15, d) for i, d in enumerate(dtypes))
@@ -534,7 +535,7 @@ def test_the_estimate_costs_an_fp8_gemm_at_the_fp8_peak_and_a_bf16_one_at_the_bf
   %p1 = bf16[512,1024]{1,0} parameter(1)
   ROOT %dot.1 = f32[256,1024]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
 }"""
-  (kernel,) = mpjax.gpu.report_from_hlo(hlo, "h100").kernels
+  (kernel,) = mpjax.kernels.report_from_hlo(hlo, "h100").kernels
   assert kernel.peak_dtype == "bfloat16"
 
 
