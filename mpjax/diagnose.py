@@ -24,16 +24,9 @@ import numpy as np
 from jax import tree_util
 from jax.extend import core as jcore
 
-from mpjax.autocast import (
-  _INPUT,
-  _Ctx,
-  _eval_closed,
-  _is_array,
-  _parse_rules,
-  _with_arrays,
-  autocast,
-  module_of,
-)
+from mpjax.autocast import autocast, is_array, with_arrays
+from mpjax.autocast_interpreter import INPUT, EvalContext, eval_closed
+from mpjax.op_classes import module_of, parse_rules
 from mpjax.policy import PRESETS, Policy
 
 __all__ = ["NonFiniteReport", "find_nonfinite", "suggest_rules", "grad_health", "module_of"]
@@ -179,9 +172,9 @@ def _replay(
     scaled = program
     program = jax.value_and_grad(lambda *a, **k: scaled(*a, **k) * loss_scale)
   leaves, treedef = jax.tree.flatten((args, kwargs))
-  dynamic = [i for i, x in enumerate(leaves) if _is_array(x)]
+  dynamic = [i for i, x in enumerate(leaves) if is_array(x)]
   arrays = [jnp.asarray(leaves[i]) for i in dynamic]
-  closed = jax.make_jaxpr(_with_arrays(program, leaves, treedef, dynamic))(*arrays)
+  closed = jax.make_jaxpr(with_arrays(program, leaves, treedef, dynamic))(*arrays)
   ops: list[_Op] = []
   first_found = False
   made_by: dict[Any, str] = {}
@@ -205,8 +198,8 @@ def _replay(
     ops.append(_Op(len(ops), path, name, source, dtype, inputs_finite, finite, shadow, values))
 
   # The program runs as traced (an f32 policy changes no dtype), each operation on its own.
-  ctx = _Ctx(_F32_POLICY, _parse_rules(None), "full", remat=False, probe=probe)
-  outs = _eval_closed(ctx, closed, arrays, [_INPUT] * len(arrays), "")
+  ctx = EvalContext(_F32_POLICY, parse_rules(None), "full", remat=False, probe=probe)
+  outs = eval_closed(ctx, closed, arrays, [INPUT] * len(arrays), "")
   return ops, outs
 
 

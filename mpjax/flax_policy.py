@@ -47,7 +47,7 @@ from flax.nnx.nn import dtypes as nnx_dtypes
 from jax import lax
 
 from mpjax._dtypes import is_castable_dtype
-from mpjax.gemm import _same_as_operands, mixed_conv, mixed_dot_general
+from mpjax.gemm import mixed_conv, mixed_dot_general, same_as_operands
 from mpjax.policy import Policy, get_policy
 
 __all__ = ["linen_kwargs", "nnx_apply_policy", "LAYER_KINDS"]
@@ -110,7 +110,7 @@ def _conv_general_dilated(compute_dtype: np.dtype) -> Callable[..., jax.Array]:
       batch_group_count=batch_group_count,
       out_sharding=out_sharding,
     )
-    if _same_as_operands(lhs, rhs, preferred_element_type):
+    if same_as_operands(lhs, rhs, preferred_element_type):
       preferred_element_type = None
     if precision is not None or preferred_element_type is not None:
       return lax.conv_general_dilated(

@@ -385,7 +385,7 @@ def _mixed_ragged_dot_bwd(dimension_numbers, compute_dtype, residuals, g):
 mixed_ragged_dot.defvjp(_mixed_ragged_dot_fwd, _mixed_ragged_dot_bwd)
 
 
-def _same_as_operands(lhs: jax.Array, rhs: jax.Array, preferred_element_type: Any) -> bool:
+def same_as_operands(lhs: jax.Array, rhs: jax.Array, preferred_element_type: Any) -> bool:
   """Whether ``preferred_element_type`` only restates the operands' own dtype.
 
   ``jnp.einsum`` passes the operands' result dtype explicitly; that asks for
@@ -443,7 +443,7 @@ def mixed_dot_general(compute_dtype: DTypeLike = jnp.bfloat16) -> Callable[..., 
   ) -> jax.Array:
     lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
     result_dtype = None
-    if _same_as_operands(lhs, rhs, preferred_element_type):
+    if same_as_operands(lhs, rhs, preferred_element_type):
       result_dtype, preferred_element_type = preferred_element_type, None
     if precision is not None or preferred_element_type is not None or kwargs:
       return lax.dot_general(

@@ -22,7 +22,7 @@ import jax
 import numpy as np
 from jax.extend import core as jcore
 
-from mpjax.autocast import gemm_flops
+from mpjax.gemm_equations import dot_numbers, gemm_flops
 from mpjax.hlo import GemmOperands, dot_dims, is_fp8, is_half, short_dtype
 from mpjax.jax_compat import shard_map_manual_axes
 
@@ -153,11 +153,7 @@ def _precision_name(precision: Any) -> str:
 
 
 def _dot_row_dims(eqn: Any) -> dict[str, int]:
-  if eqn.primitive.name == "ragged_dot_general":
-    numbers = eqn.params["ragged_dot_dimension_numbers"].dot_dimension_numbers
-  else:
-    numbers = eqn.params["dimension_numbers"]
-  (lc, rc), (lb, rb) = numbers
+  (lc, rc), (lb, rb) = dot_numbers(eqn)
   lhs, rhs = (v.aval.shape for v in eqn.invars[:2])
   if eqn.primitive.name == "ragged_dot_general":  # a weight's group dim is not part of N
     rb = (*rb, *eqn.params["ragged_dot_dimension_numbers"].rhs_group_dimensions)
