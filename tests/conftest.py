@@ -1,8 +1,48 @@
-"""Shared test setup: no policy override leaks in from the environment."""
+"""Shared test setup: no policy override leaks in from the environment; the slow tests marked.
+
+The default ``pytest -n 2`` deselects the tests marked ``slow`` (pyproject's ``addopts``) and
+runs in under five minutes on two cores; ``pytest -n 2 -m slow`` runs the rest, and CI runs both.
+A test is slow when it trains for many steps, starts other processes (8 host devices, two
+processes), runs a whole benchmark script, or compiles whole train steps for a GPU target.
+"""
 
 import pytest
 
 import mpjax
+
+# Node-id prefixes of the slow tests, each with why it is slow.
+SLOW = {
+  "tests/test_multidevice.py": "a subprocess with 8 host devices runs every case",
+  "tests/test_experiment.py::test_interrupted_run_resumes_bit_identically": "trains twice",
+  "tests/test_experiment.py::test_cli_sigterm_writes_a_checkpoint": "a CLI process, trains twice",
+  "tests/test_experiment.py::test_digits_mixed_precision_accuracy": "trains to accuracy",
+  "tests/test_experiment.py::test_char_lm_mixed_precision_loss": "trains an LM per policy",
+  "tests/test_experiment.py::test_underflow_demo_compare": "trains one run per policy",
+  "tests/test_experiment.py::test_data_parallel_over_eight_host_devices": "8 host devices",
+  "tests/test_experiment.py::test_two_processes_train": "two processes",
+  "tests/test_experiment.py::test_sigterm_to_one_of_two_processes": "two processes",
+  "tests/test_experiment.py::test_autoprecision_picks_rules": "diagnoses, then trains",
+  "tests/test_experiment.py::test_gradient_health_shows_the_underflow": "trains one run per policy",
+  "tests/test_examples.py::test_bench_script": "a whole benchmark run",
+  "tests/test_examples.py::test_gpu_check_script_runs_small": "compiles and times every variant",
+  "tests/test_diagnose.py::test_forward_overflow_is_found_and_its_rule_fixes_training": "trains",
+  "tests/test_diagnose.py::test_attention_scores_beyond_fp16": "replays a transformer",
+  "tests/test_diagnose.py::test_every_fault_of_a_model_gets_a_rule": "replays many faults",
+  "tests/test_diagnose.py::test_suggest_rules_is_deterministic": "suggests rules twice",
+  "tests/test_gpu.py::test_mixed_bf16_step_moves_fewer_bytes": "8 whole-step GPU compiles",
+  "tests/test_gpu.py::test_a_checked_step_costs_no_conditional": "8 whole-step GPU compiles",
+  "tests/test_gpu.py::test_every_shipped_config_audits_on_h100": "whole-step GPU compiles",
+  "tests/test_gpu.py::test_doctor_for_h100": "whole-step GPU compiles",
+  "tests/test_gpu.py::test_bench_target": "whole-step GPU compiles",
+  "tests/test_gpu.py::test_every_fp8_gemm_of_an_lm_step": "a whole-step GPU compile",
+  "tests/test_gpu.py::test_fp8_gemms_on_a_gpu_without_fp8": "whole-step GPU compiles",
+}
+
+
+def pytest_collection_modifyitems(config, items):
+  for item in items:
+    if any(item.nodeid.startswith(prefix) for prefix in SLOW):
+      item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(autouse=True)
