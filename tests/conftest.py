@@ -36,6 +36,11 @@ SLOW = {
   "tests/test_gpu.py::test_bench_target": "whole-step GPU compiles",
   "tests/test_gpu.py::test_every_fp8_gemm_of_an_lm_step": "a whole-step GPU compile",
   "tests/test_gpu.py::test_fp8_gemms_on_a_gpu_without_fp8": "whole-step GPU compiles",
+  "tests/test_autocast.py::test_fp16_autocast_training_matches_f32_training": "trains twice",
+  "tests/test_doctor.py::test_every_shipped_config_has_no_misaligned_gemm": "every config's step",
+  "tests/test_doctor.py::test_doctor_command_prints_the_audit_table": "a CLI process",
+  "tests/test_diagnose.py::test_backward_only_overflow_is_found": "replays a training step",
+  "tests/test_experiment.py::test_divergence_guard_stops": "trains until it diverges",
 }
 
 
