@@ -303,8 +303,8 @@ def compile_for(
 
   Raises:
     ValueError: for an unknown target or GEMM backend.
-    RuntimeError: when the ``jax-cuda12-pjrt`` compiler plugin is missing or does
-      not match jaxlib; the message gives the command that fixes it.
+    RuntimeError: when the compiler plugin (``jax-cuda12-pjrt`` or ``jax-cuda13-pjrt``) is
+      missing or does not match jaxlib; the message gives the command that fixes it.
 
   Example:
     >>> import jax.numpy as jnp, mpjax

@@ -468,7 +468,7 @@ def _skip_without_compiler():
   try:
     importlib.metadata.version(mpjax.gpu.PLUGIN)
   except importlib.metadata.PackageNotFoundError:
-    pytest.skip('needs XLA\'s CUDA compiler plugin: pip install -e ".[gpu-aot]"')
+    pytest.skip("needs XLA's CUDA compiler plugin (jax-cuda12-pjrt or -cuda13-pjrt)")
 
 
 def _h100_gemms(fn, args, mode):
