@@ -8,13 +8,14 @@ fault and the figures, and returns nothing when the property holds:
   to the compute dtype;
 - :func:`assert_fast_path`: every GEMM of a function (a train step: forward and
   backward) on the fast path, except the modules you keep in f32, which must be;
-- :func:`assert_skip_keeps_state`: a non-finite batch leaves params and
-  optimizer state bit-identical;
+- :func:`assert_skip_keeps_state`: a non-finite batch leaves the whole state
+  (params, optimizer, model and FP8 state, step) bit-identical;
 - :func:`assert_checkpoint_round_trip`: a train state survives orbax bit-identically.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import tempfile
 from collections.abc import Callable, Sequence
@@ -27,6 +28,7 @@ import numpy as np
 from mpjax._extras import require_experiments
 from mpjax.audit import audit
 from mpjax.autocast import autocast
+from mpjax.fp8 import Fp8State
 from mpjax.policy import Policy, get_policy
 
 __all__ = [
@@ -153,12 +155,45 @@ def assert_fast_path(fn: Callable[..., Any], *args: Any, f32_modules: Sequence[s
     )
 
 
+# What a skipped step moves: the loss scale (down, for a dynamic one) and the
+# skip counter. Every other field of the state must come back bit-identical.
+_MOVED_ON_A_SKIP = ("loss_scale", "skipped_steps")
+
+
+def _kept_fields(state: Any) -> dict[str, Any]:
+  """The state's fields a skipped step must keep: every pytree field but the moved ones."""
+  if dataclasses.is_dataclass(state):
+    names = [f.name for f in dataclasses.fields(state) if f.metadata.get("pytree_node", True)]
+    return {n: getattr(state, n) for n in names if n not in _MOVED_ON_A_SKIP}
+  return {"state": state}
+
+
+def _first_change(name: str, old: Any, new: Any, state: Any) -> str | None:
+  """The path of the first leaf of field ``name`` that differs, or ``None``."""
+  if name == "fp8" and old is None and isinstance(new, Fp8State):
+    # A state without its FP8 state yet: the step makes the initial one (what
+    # mpjax.init_fp8_state gives), and a skipped step must leave it at that.
+    old = Fp8State.initial(state.policy.fp8, new.gemms)
+  if jax.tree.structure(old) != jax.tree.structure(new):
+    return name
+  for (path, a), b in zip(
+    jax.tree_util.tree_leaves_with_path(old), jax.tree.leaves(new), strict=True
+  ):
+    a, b = _raw(a), _raw(b)
+    if a.dtype != b.dtype or a.shape != b.shape or a.tobytes() != b.tobytes():
+      return name + jax.tree_util.keystr(path)
+  return None
+
+
 def assert_skip_keeps_state(step: Callable[..., Any], state: Any, bad_batch: Any) -> None:
   """Asserts that a train step skips a non-finite batch and leaves the state as it was.
 
   The step runs on a copy of ``state`` (it may donate); its metrics must say
-  the gradients were not finite, and params, optimizer state and step must be
-  bit-identical to before, with one more skipped step.
+  the gradients were not finite, and every field of the state but the loss
+  scale and ``skipped_steps`` must be bit-identical to before: ``step``,
+  params, optimizer state, model state (e.g. BatchNorm statistics) and the FP8
+  state (a state without one yet may come back with the initial one, scales
+  of 1 and an empty history), with one more skipped step.
 
   Args:
     step: a train step from :func:`mpjax.make_train_step` (jitted or not) that
@@ -168,14 +203,20 @@ def assert_skip_keeps_state(step: Callable[..., Any], state: Any, bad_batch: Any
 
   Raises:
     AssertionError: if the gradients were finite (the premise fails), or a
-      params / optimizer-state leaf changed (named), or the counters are wrong.
+      leaf the skip must keep changed (named, e.g. ``model_state['batch_stats']...``),
+      or ``skipped_steps`` did not grow by one.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, mpjax, mpjax.testing
+    >>> params = {"w": jnp.ones((4, 2))}
+    >>> loss = lambda p, x: jnp.mean((x @ p["w"]).astype(jnp.float32) ** 2)
+    >>> state = mpjax.TrainState.create(
+    ...     apply_fn=None, params=params, tx=optax.adam(1e-3), policy="mixed_fp16")
+    >>> step = jax.jit(mpjax.make_train_step(loss))
+    >>> mpjax.testing.assert_skip_keeps_state(step, state, jnp.full((8, 4), jnp.inf))
   """
-  before = (
-    jax.tree.map(_raw, state.params),
-    jax.tree.map(_raw, state.opt_state),
-    int(state.step),
-    int(state.skipped_steps),
-  )
+  kept = jax.tree.map(_raw, _kept_fields(state))
+  skipped_before = int(state.skipped_steps)
   new_state, metrics = step(jax.tree.map(jnp.copy, state), bad_batch)
   if "grads_finite" not in metrics:
     raise AssertionError(
@@ -187,20 +228,15 @@ def assert_skip_keeps_state(step: Callable[..., Any], state: Any, bad_batch: Any
       "mpjax.testing: the batch gave finite gradients, so nothing was skipped; pass a batch "
       "that overflows (e.g. an inf input)."
     )
-  after = (jax.tree.map(_raw, new_state.params), jax.tree.map(_raw, new_state.opt_state))
-  for name, old, new in (("params", before[0], after[0]), ("opt_state", before[1], after[1])):
-    for (path, a), b in zip(
-      jax.tree_util.tree_leaves_with_path(old), jax.tree.leaves(new), strict=True
-    ):
-      if _raw(a).tobytes() != _raw(b).tobytes():
-        raise AssertionError(
-          f"mpjax.testing: a skipped step changed {name}{jax.tree_util.keystr(path)}."
-        )
-  if int(new_state.step) != before[2] or int(new_state.skipped_steps) != before[3] + 1:
+  after = _kept_fields(new_state)
+  for name in _kept_fields(state):  # in the order of the state's fields
+    changed = _first_change(name, kept[name], after[name], state)
+    if changed is not None:
+      raise AssertionError(f"mpjax.testing: a skipped step changed {changed}.")
+  if int(new_state.skipped_steps) != skipped_before + 1:
     raise AssertionError(
-      f"mpjax.testing: after a skipped step, step {before[2]} -> {int(new_state.step)} and "
-      f"skipped_steps {before[3]} -> {int(new_state.skipped_steps)}; expected the step to "
-      "stay and skipped_steps to grow by one."
+      f"mpjax.testing: after a skipped step, skipped_steps {skipped_before} -> "
+      f"{int(new_state.skipped_steps)}; expected it to grow by one."
     )
 
 

@@ -117,3 +117,69 @@ def test_checkpoint_round_trip_names_a_leaf_the_checkpoint_lost(fault, monkeypat
   reason = "values differ" if fault == "value" else "float32.* saved, bfloat16.* restored"
   with pytest.raises(AssertionError, match=rf"\['body'\]\['kernel'\] did not survive.*{reason}"):
     mt.assert_checkpoint_round_trip(state)
+
+
+class BNMLP(nn.Module):
+  @nn.compact
+  def __call__(self, x, train=True):
+    h = nn.BatchNorm(use_running_average=not train)(nn.Dense(32)(x))
+    return nn.Dense(8)(nn.relu(h))
+
+
+BN_MODEL = BNMLP()
+BN_VARS = BN_MODEL.init(jax.random.key(0), X)
+
+
+def bn_loss_fn(params, model_state, batch):
+  logits, updates = BN_MODEL.apply(
+    {"params": params["params"], **model_state}, batch["x"], mutable=["batch_stats"]
+  )
+  loss = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), batch["y"])
+  return loss.mean(), updates
+
+
+def _bn_state():
+  return mpjax.TrainState.create(
+    apply_fn=BN_MODEL.apply,
+    params={"params": BN_VARS["params"]},
+    tx=optax.adam(1e-2),
+    policy="mixed_fp16",
+    model_state={"batch_stats": BN_VARS["batch_stats"]},
+  )
+
+
+def test_skip_keeps_state_checks_the_model_state():
+  step = jax.jit(mpjax.make_train_step(bn_loss_fn, with_model_state=True))
+  state, _ = step(_bn_state(), BATCH)  # statistics and optimizer state away from their init
+  bad = {"x": X.at[3, 2].set(jnp.inf), "y": Y}
+  mt.assert_skip_keeps_state(step, state, bad)  # mpjax's step keeps the statistics
+
+  def writes_statistics(state, batch):  # the statistics of the bad batch kept on a skip
+    new, metrics = step(state, batch)
+    _, stats = bn_loss_fn(state.params, state.model_state, batch)
+    return new.replace(model_state=stats), metrics
+
+  with pytest.raises(
+    AssertionError, match=r"changed model_state\['batch_stats'\]\['BatchNorm_0'\]"
+  ):
+    mt.assert_skip_keeps_state(writes_statistics, state, bad)
+
+
+def test_skip_keeps_state_checks_the_fp8_state():
+  step = jax.jit(mpjax.make_train_step(loss_fn, skip_nonfinite=True))
+  fp8 = mpjax.Fp8Recipe(keep_bf16=())  # both Dense layers in FP8
+  state = _state(mpjax.Policy(jnp.float32, jnp.bfloat16, jnp.float32, fp8=fp8))
+  state = mpjax.init_fp8_state(step, state, BATCH)
+  bad = {"x": X.at[3, 2].set(jnp.nan), "y": Y}  # FP8 casts saturate inf, not NaN
+  for _ in range(2):
+    state, _ = step(state, BATCH)
+  assert state.fp8 is not None and float(jnp.max(state.fp8.amax_history)) > 0  # the premise
+  mt.assert_skip_keeps_state(step, state, bad)
+
+  def pushes_amaxes(state, batch):  # the bad step's amaxes pushed into the history
+    new, metrics = step(state, batch)
+    fp8 = new.fp8.replace(amax_history=jnp.roll(new.fp8.amax_history, 1, axis=0))
+    return new.replace(fp8=fp8), metrics
+
+  with pytest.raises(AssertionError, match=r"a skipped step changed fp8\.amax_history"):
+    mt.assert_skip_keeps_state(pushes_amaxes, state, bad)
