@@ -37,6 +37,7 @@ from mpjax.policy import PRESETS as PRESETS
 from mpjax.policy import Policy as Policy
 from mpjax.policy import cast_to_full as cast_to_full
 from mpjax.policy import cast_to_half as cast_to_half
+from mpjax.policy import dtype_to_names as dtype_to_names
 from mpjax.policy import get_policy as get_policy
 from mpjax.policy import half_dtype as half_dtype
 from mpjax.train_state import TrainState as TrainState
@@ -77,6 +78,7 @@ __all__ = [
   "half_dtype",
   "cast_to_half",
   "cast_to_full",
+  "dtype_to_names",
   "make_train_step",
   "init_fp8_state",
   "mixed_dot_general",

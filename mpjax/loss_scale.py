@@ -3,7 +3,9 @@
 Every state is a ``flax.struct.PyTreeNode``: the evolving values are pytree
 leaves, the hyperparameters are static fields, and nothing is flattened by hand
 (jmp's hand-written flatten drops ``min_loss_scale`` under ``jit``). The scale is
-always float32, whatever dtype it was given (jmp#47).
+always float32, whatever dtype it was given (jmp#47); a ``DynamicLossScale``
+given a scale or floor that is not floating warns as jmp does, then uses it as
+float32.
 
 The method names are jmp's (``loss_scale``, ``scale``, ``unscale``, ``adjust``),
 so code written against jmp switches by changing the import.
@@ -12,6 +14,7 @@ so code written against jmp switches by changing the import.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Hashable, Sequence
 from typing import Any, TypeVar
 
@@ -48,6 +51,24 @@ def _as_array(value: Any, dtype: Any) -> Any:
     if getattr(value, "dtype", None) != dtype:
       return jnp.asarray(value, dtype)
   return value
+
+
+def _warn_if_not_floating(value: Any, name: str) -> None:
+  """jmp's warning for a ``DynamicLossScale`` scale or floor that is not floating.
+
+  Placeholders JAX unflattens with (``object()``, ``None``, avals) pass in
+  silence, as in jmp.
+  """
+  if not isinstance(value, (bool, int, float, np.ndarray, np.generic, jax.Array)):
+    return
+  dtype = jnp.result_type(value)  # as JAX stores it: np.int64 is int32 without x64
+  if not jnp.issubdtype(dtype, jnp.floating):
+    # stacklevel 4: the caller of DynamicLossScale(...), past __post_init__ and __init__.
+    warnings.warn(
+      f"Expected floating type for {name}, got {dtype}; mpjax uses it as float32.",
+      UserWarning,
+      stacklevel=4,
+    )
 
 
 def _scale_tree(tree: T, factor: jax.Array) -> T:
@@ -146,7 +167,8 @@ class DynamicLossScale(struct.PyTreeNode):
     overflow_counter: consecutive non-finite steps (int32).
     period: finite steps between growths.
     factor: growth and backoff factor, > 1.
-    min_loss_scale: the floor of the scale.
+    min_loss_scale: the floor of the scale, a Python float (a scalar array is
+      taken, as jmp takes one).
     max_loss_scale: the ceiling of the scale (finite).
     hysteresis: consecutive non-finite steps before the scale shrinks.
 
@@ -175,6 +197,11 @@ class DynamicLossScale(struct.PyTreeNode):
     period = self.period
     if isinstance(period, (float, np.floating)) and float(period).is_integer():
       object.__setattr__(self, "period", int(period))  # jmp accepts period=2000.0
+    _warn_if_not_floating(self.loss_scale, "loss_scale")
+    _warn_if_not_floating(self.min_loss_scale, "min_loss_scale")
+    if isinstance(self.min_loss_scale, (bool, int, np.ndarray, np.generic, jax.Array)):
+      # A static field is hashed under jit: a Python float (jmp takes an array here).
+      object.__setattr__(self, "min_loss_scale", float(self.min_loss_scale))
     self._check_hyperparameters()
     object.__setattr__(self, "loss_scale", _as_array(self.loss_scale, jnp.float32))
     object.__setattr__(self, "counter", _as_array(self.counter, jnp.int32))

@@ -12,6 +12,7 @@ import difflib
 import functools
 import logging
 import os
+from collections.abc import Iterator, Mapping
 from typing import Any, TypeVar
 
 import jax
@@ -29,6 +30,7 @@ __all__ = [
   "PRESETS",
   "cast_to_full",
   "cast_to_half",
+  "dtype_to_names",
   "half_dtype",
 ]
 
@@ -41,16 +43,25 @@ _log = logging.getLogger("mpjax")
 
 
 def _canonical_dtype(value: Any, field: str) -> np.dtype:
+  if isinstance(value, str) and value.strip().lower() in (*_DTYPE_NAMES, "half"):
+    return _parse_dtype(value.strip().lower(), value)
   try:
     dtype = np.dtype(jnp.dtype(value))
   except TypeError as e:
     raise ValueError(
-      f"Policy {field}={value!r} is not a dtype; use jnp.float32, jnp.bfloat16 or jnp.float16."
+      f"Policy {field}={value!r}: Unknown dtype; use jnp.float32, jnp.bfloat16 or "
+      "jnp.float16, or a name mpjax.get_policy reads, such as 'bf16', 'f16', 'full' or 'half' "
+      "(mpjax.dtype_to_names)."
     ) from e
   if not jnp.issubdtype(dtype, jnp.floating):
     raise ValueError(
       f"Policy {field}={dtype.name} is not a floating dtype; use jnp.float32, "
       "jnp.bfloat16 or jnp.float16."
+    )
+  if dtype.itemsize > 8:
+    raise ValueError(
+      f"Policy {field}={value!r} is {dtype.name}, which JAX does not compute in; use "
+      "jnp.float32, jnp.bfloat16 or jnp.float16."
     )
   return dtype
 
@@ -77,6 +88,8 @@ class Policy:
     >>> policy = mpjax.Policy(jnp.float32, jnp.bfloat16, jnp.float32)
     >>> policy
     Policy(param_dtype=float32, compute_dtype=bfloat16, output_dtype=float32)
+    >>> print(policy)  # jmp's form, which mpjax.get_policy reads back
+    p=full,c=bf16,o=full
     >>> policy.cast_to_compute({"w": jnp.ones(2), "label": jnp.array(3)})["w"].dtype
     dtype(bfloat16)
   """
@@ -125,14 +138,40 @@ class Policy:
     """Returns this policy with ``output_dtype`` replaced."""
     return dataclasses.replace(self, output_dtype=output_dtype)
 
-  def __repr__(self) -> str:
-    fp8 = f", fp8={self.fp8}" if self.fp8 is not None else ""
-    return (
-      f"Policy(param_dtype={self.param_dtype.name}, "
-      f"compute_dtype={self.compute_dtype.name}, output_dtype={self.output_dtype.name}{fp8})"
-    )
+  def _extra_fields(self) -> list[tuple[str, Any]]:
+    """The fields past the three dtypes whose value is not their default."""
+    extra = []
+    for f in dataclasses.fields(self)[3:]:
+      value = getattr(self, f.name)
+      # `is` first: numpy reads None as float64, so np.dtype("float64") == None.
+      if value is not f.default and (f.default is None or value != f.default):
+        extra.append((f.name, value))
+    return extra
 
-  __str__ = __repr__
+  def __repr__(self) -> str:
+    def show(value: Any) -> str:
+      return value.name if isinstance(value, np.dtype) else repr(value)
+
+    fields = [(f.name, getattr(self, f.name)) for f in dataclasses.fields(self)[:3]]
+    fields += self._extra_fields()
+    return f"Policy({', '.join(f'{name}={show(value)}' for name, value in fields)})"
+
+  def __str__(self) -> str:
+    """jmp's form, ``p=full,c=bf16,o=full`` (names from :data:`dtype_to_names`).
+
+    A field jmp has no key for is appended when not at its default, e.g.
+    ``p=bf16,c=bf16,o=full,opt_state_dtype=bf16,rounding=stochastic``.
+    """
+
+    def show(value: Any) -> str:
+      if isinstance(value, np.dtype):
+        return dtype_name(value)
+      return value if isinstance(value, str) else repr(value)
+
+    dtypes = (self.param_dtype, self.compute_dtype, self.output_dtype)
+    parts = [f"{key}={dtype_name(dtype)}" for key, dtype in zip("pco", dtypes, strict=True)]
+    parts += [f"{name}={show(value)}" for name, value in self._extra_fields()]
+    return ",".join(parts)
 
 
 _F32, _BF16, _F16 = np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16)
@@ -146,21 +185,71 @@ PRESETS: dict[str, Policy] = {
 }
 """The named policies; ``"auto"`` picks one of them for the running backend."""
 
-_DTYPE_NAMES = {
-  "bf16": _BF16,
-  "bfloat16": _BF16,
-  "f16": _F16,
-  "fp16": _F16,
-  "float16": _F16,
-  "f32": _F32,
-  "fp32": _F32,
-  "float32": _F32,
-  "full": _F32,
-  "single": _F32,
-  "f64": np.dtype(np.float64),
-  "float64": np.dtype(np.float64),
-  "double": np.dtype(np.float64),
-}
+
+class _DtypeNames(Mapping[np.dtype, tuple[str, ...]]):
+  """A read-only table keyed by dtype that any spelling of the dtype finds.
+
+  ``np.float16``, ``jnp.float16``, ``np.dtype("float16")`` and ``"float16"``
+  are one key, as jmp's table (keyed by ``jnp`` scalar types) finds both
+  ``np.float16`` and ``jnp.float16``.
+  """
+
+  def __init__(self, table: dict[np.dtype, tuple[str, ...]]):
+    self._table = table
+
+  def __getitem__(self, key: DTypeLike) -> tuple[str, ...]:
+    if key is None:
+      raise KeyError(key)
+    try:
+      return self._table[np.dtype(jnp.dtype(key))]
+    except TypeError:
+      raise KeyError(key) from None
+
+  def __iter__(self) -> Iterator[np.dtype]:
+    return iter(self._table)
+
+  def __len__(self) -> int:
+    return len(self._table)
+
+  def __repr__(self) -> str:
+    return f"dtype_to_names({self._table!r})"
+
+
+dtype_to_names: Mapping[np.dtype, tuple[str, ...]] = _DtypeNames(
+  {
+    _BF16: ("bf16", "bfloat16"),
+    _F16: ("f16", "float16", "fp16"),
+    _F32: ("full", "f32", "float32", "fp32", "single"),
+    np.dtype(np.float64): ("f64", "float64", "double"),
+  }
+)
+"""The names :func:`get_policy` reads for each dtype, jmp's ``jmp._src.policy.dtype_to_names``.
+
+Each tuple starts with jmp's names in jmp's order (``str(policy)`` prints the
+first, as jmp does); mpjax also reads the names after them. ``"half"`` is
+:func:`half_dtype`. Any spelling of a dtype finds its entry.
+
+Example:
+  >>> import jax.numpy as jnp, numpy as np, mpjax
+  >>> mpjax.dtype_to_names[jnp.bfloat16], mpjax.dtype_to_names[np.float32][0]
+  (('bf16', 'bfloat16'), 'full')
+"""
+
+_DTYPE_NAMES = {name: dtype for dtype, names in dtype_to_names.items() for name in names}
+
+
+def dtype_name(dtype: DTypeLike) -> str:
+  """The short name ``str(policy)`` prints for ``dtype``: jmp's, else numpy's.
+
+  Example:
+    >>> import jax.numpy as jnp, mpjax
+    >>> mpjax.policy.dtype_name(jnp.float16), mpjax.policy.dtype_name(jnp.float8_e4m3fn)
+    ('f16', 'float8_e4m3fn')
+  """
+  names = dtype_to_names.get(dtype)
+  return names[0] if names else np.dtype(jnp.dtype(dtype)).name
+
+
 _KEYS = {
   "p": "param",
   "params": "param",
@@ -250,7 +339,7 @@ def _parse_dtype(name: str, spec: str) -> np.dtype:
     return half_dtype()
   if name in _DTYPE_NAMES:
     return _DTYPE_NAMES[name]
-  raise _spec_error(spec, f"unknown dtype {name!r}")
+  raise _spec_error(spec, f"Unknown dtype {name!r}")
 
 
 def _spec_error(spec: Any, problem: str) -> ValueError:
@@ -279,7 +368,9 @@ def _parse_string(spec: str) -> tuple[Policy, str]:
   for part in text.split(","):
     key, sep, value = (s.strip() for s in part.partition("="))
     if not sep or key not in _KEYS:
-      raise _spec_error(spec, f"{part.strip()!r} is not 'params=', 'compute=' or 'output=' a dtype")
+      raise _spec_error(
+        spec, f"Unknown key {key!r}: {part.strip()!r} is not 'params=', 'compute=' or 'output='"
+      )
     dtypes[_KEYS[key]] = _parse_dtype(value, spec)
   # jmp's defaults: params f32, compute follows params, output follows compute.
   param = dtypes.get("param", _F32)

@@ -456,7 +456,7 @@ def _summary(
   return {
     "config": config.name,
     "policy": os.environ.get(POLICY_ENV_VAR, "").strip() or config.policy,
-    "dtypes": str(exp.policy),
+    "dtypes": repr(exp.policy),
     "loss_scale": config.loss_scale,
     "devices": exp.mesh.size,
     "steps": run.steps,

@@ -66,7 +66,7 @@ def _from_every_process(value: int) -> np.ndarray:
 
 def check_same_run(path: pathlib.Path, config: ml_collections.ConfigDict, policy: Policy) -> None:
   saved = path / "config.json"
-  current = {**_comparable(config), "resolved_policy": str(policy)}
+  current = {**_comparable(config), "resolved_policy": repr(policy)}
   if jax.process_index() == 0 and not saved.exists():
     tmp = path / "config.json.tmp"  # written whole, then renamed: no process reads half of it
     tmp.write_text(json.dumps(current, indent=2, sort_keys=True))
