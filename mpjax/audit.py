@@ -211,16 +211,24 @@ def _compiled_fp8(row: GemmRow) -> bool:
   return all(o.startswith("f8") for o in operands)
 
 
+def _f32_accumulation(row: GemmRow) -> bool | None:
+  """Whether the GEMM accumulates in f32 or wider; ``None`` where nothing says it.
+
+  The compiled GEMM's accumulation where it was read and says it; with no
+  compiled GEMM, an f32 (or f64) result, which the program sums in. A half
+  result with no compiled program, or a compiled GEMM that does not say it
+  (``"unknown"``: a cuDNN convolution, a ``dot`` in a loop fusion), is not known.
+  """
+  if row.accumulation not in (None, "unknown"):  # the compiled program says it
+    return row.accumulation in ("f32", "f64")
+  if row.accumulation is None and np.dtype(row.out_dtype) in (_F32, np.dtype(jnp.float64)):
+    return True
+  return None
+
+
 def _is_fast(row: GemmRow) -> bool:
   half = is_half(row.lhs_dtype) and is_half(row.rhs_dtype)
-  if row.accumulation not in (None, "unknown"):  # the compiled program says it
-    f32_accumulation = row.accumulation in ("f32", "f64")
-  else:
-    # No compiled GEMM read (or it does not say): a half result counts, as on a GPU
-    # cuBLAS(Lt) and Triton accumulate half-result GEMMs in f32; on a CPU a half
-    # result is flagged above.
-    f32_accumulation = np.dtype(row.out_dtype) == _F32 or is_half(row.out_dtype)
-  return half and f32_accumulation and not row.flags
+  return half and _f32_accumulation(row) is True and not row.flags
 
 
 # --------------------------------------------------------------------------- report
@@ -259,6 +267,20 @@ class AuditReport:
     return self.fast_flops / self.total_flops if self.total_flops else 1.0
 
   @property
+  def accumulation_unknown(self) -> tuple[GemmRow, ...]:
+    """Half-precision GEMMs whose accumulation nothing says (``None`` or ``"unknown"``).
+
+    The compiled GEMM does not say it (a cuDNN convolution, a ``dot`` in a loop
+    fusion), or no compiled program was read and the GEMM writes a half dtype.
+    They are not counted on the fast path: f32 accumulation is not assumed.
+    """
+    return tuple(
+      r
+      for r in self.rows
+      if is_half(r.lhs_dtype) and is_half(r.rhs_dtype) and _f32_accumulation(r) is None
+    )
+
+  @property
   def flagged(self) -> tuple[GemmRow, ...]:
     """The rows with at least one flag."""
     return tuple(r for r in self.rows if r.flags)
@@ -271,6 +293,8 @@ class AuditReport:
       "total_flops": self.total_flops,
       "fast_flops": self.fast_flops,
       "fast_path_share": self.fast_path_share,
+      "accumulation_unknown": len(self.accumulation_unknown),
+      "accumulation_unknown_flops": sum(r.flops for r in self.accumulation_unknown),
       "rows": [r.to_dict() for r in self.rows],
       "compiled_only": [g.to_dict() for g in self.compiled_only],
     }
@@ -325,12 +349,15 @@ class AuditReport:
           else "."
         ),
       ]
-    unknown = sum(r.accumulation == "unknown" for r in self.rows)
+    unknown = self.accumulation_unknown
     if unknown:
+      said = sum(r.accumulation == "unknown" for r in unknown)
       lines += [
         "",
-        f"Accumulation: the compiled program does not say it for {unknown} GEMMs (`unknown`); "
-        "the fast-path share counts those that write f32 or a half dtype as accumulating in f32.",
+        f"Accumulation: not known for {len(unknown)} half-precision GEMMs "
+        f"({sum(r.flops for r in unknown) / 1e9:.4g} GFLOP; the compiled program does not say "
+        f"it for {said} (`unknown`), {len(unknown) - said} have no compiled GEMM read and write "
+        "a half dtype): the fast-path share does not count them as accumulating in f32.",
       ]
     lines += [
       "",
@@ -339,7 +366,8 @@ class AuditReport:
       f"Fast path: {100 * self.fast_path_share:.1f}% of {self.total_flops / 1e9:.4g} GFLOP in "
       f"{len(self.rows)} GEMMs (half-precision operands, f32 accumulation, aligned"
       + (", on Tensor Cores" if with_call else "")
-      + f"); {len(self.flagged)} flagged.",
+      + f"); {len(self.flagged)} flagged"
+      + (f", {len(unknown)} of unknown accumulation." if unknown else "."),
     ]
     return "\n".join(lines)
 

@@ -37,6 +37,7 @@ __all__ = [
   "backend_config",
   "called_computations",
   "computations",
+  "conv_dims",
   "dot_dims",
   "entry_computation",
   "is_fp8",
@@ -125,7 +126,10 @@ class CompiledGemm(GemmOperands):
     rhs_dtype: the right operand's dtype.
     out_dtype: the result's dtype.
     dims: for a dot, the ``batch``, ``M``, ``N`` and ``K`` sizes (products
-      over each group of dimensions); empty for a convolution.
+      over each group of dimensions); for a convolution, the forward
+      convolution's ``output_elements``, the filter's ``window`` (its spatial
+      size) and ``input_features`` (per feature group), read through its
+      ``dim_labels``: see :func:`conv_dims`.
     op_name: the ``op_name`` of the instruction's metadata (JAX's name stack).
     epilogue: a cuBLASLt epilogue (``"BIAS"``, ``"GELU"``...) fused into the call.
     accumulation: the dtype the GEMM accumulates in, where the program says it
@@ -140,6 +144,17 @@ class CompiledGemm(GemmOperands):
   op_name: str = ""
   epilogue: str = ""
   accumulation: str = "unknown"
+
+  @property
+  def flops(self) -> float:
+    """Multiply-adds times two: ``2 batch M N K`` for a dot; for a convolution
+    ``2 output_elements window input_features``, whatever layout XLA gave the filter."""
+    d = self.dims
+    if self.op == "dot" and d:
+      return 2.0 * d["batch"] * d["M"] * d["N"] * d["K"]
+    if self.op == "conv" and d:
+      return 2.0 * d["output_elements"] * d["window"] * d["input_features"]
+    return 0.0
 
   @property
   def tensor_core(self) -> bool:
@@ -365,6 +380,64 @@ def dot_dims(
   }
 
 
+_DIM_LABELS = re.compile(r"([^_\s]+)_([^-\s]+)->(\S+)")
+
+
+def conv_dims(
+  dim_labels: str,
+  lhs: Sequence[int],
+  rhs: Sequence[int],
+  out: Sequence[int],
+  target: str = "",
+) -> dict[str, int]:
+  """A convolution's output elements, filter window and input features per group.
+
+  XLA:GPU lays filters out for cuDNN (``o01i``, ``oi01``...), so the filter's
+  last dimension need not be its output features: the ``dim_labels``
+  (``lhs_rhs->out``, e.g. ``b01f_o01i->b01f``) say which dimension is which:
+  ``i`` the filter's input features (already divided by the feature group
+  count), digits its spatial dimensions. A cuDNN backward call keeps the
+  forward convolution's labels: ``__cudnn$convBackwardInput`` takes the
+  forward output (its first operand) and the filter and returns the input's
+  gradient; ``__cudnn$convBackwardFilter`` takes the input and the forward
+  output (its second operand) and returns the filter's gradient. Its FLOPs are
+  ``2 * output_elements * window * input_features``, those of the forward
+  convolution.
+
+  Args:
+    dim_labels: the instruction's ``dim_labels`` (``"b01f_01io->b01f"`` if it has none).
+    lhs: the first operand's shape.
+    rhs: the second operand's shape.
+    out: the result's shape (without a cuDNN workspace).
+    target: the cuDNN custom-call target, or ``""`` for an HLO ``convolution``.
+
+  Returns:
+    ``{"output_elements": ..., "window": ..., "input_features": ...}``.
+
+  Example:
+    >>> from mpjax.hlo import conv_dims
+    >>> conv_dims("b01f_o01i->b01f", (8, 32, 32, 32), (64, 3, 3, 32), (8, 32, 32, 64))
+    {'output_elements': 524288, 'window': 9, 'input_features': 32}
+  """
+  match = _DIM_LABELS.fullmatch(dim_labels.strip() or "b01f_01io->b01f")
+  if match is None:
+    raise ValueError(f"conv_dims: cannot read dim_labels {dim_labels!r} (e.g. 'b01f_o01i->b01f').")
+  if "BackwardInput" in target:
+    forward_out, kernel = lhs, rhs
+  elif "BackwardFilter" in target:
+    forward_out, kernel = rhs, out
+  else:
+    forward_out, kernel = out, rhs
+  labels = match.group(2)
+  if len(labels) != len(kernel):
+    raise ValueError(f"conv_dims: dim_labels {dim_labels!r} do not fit a filter of shape {kernel}.")
+  return {
+    "output_elements": math.prod(forward_out),
+    "window": math.prod(n for label, n in zip(labels, kernel, strict=True) if label.isdigit()),
+    "input_features": kernel[labels.index("i")],
+  }
+
+
 def _metadata_op_name(instr: Instruction) -> str:
   match = re.search(r'op_name="((?:[^"\\]|\\.)*)"', instr.attrs.get("metadata", ""))
   return match.group(1) if match else ""
@@ -413,7 +486,10 @@ def _gemm_of(
   (lhs_t, lhs), (rhs_t, rhs) = arrays
   is_conv = instr.opcode == "convolution" or (instr.opcode == "custom-call" and kind == "cudnn")
   dims: dict[str, int] = {}
-  if not is_conv:
+  if is_conv:
+    target = call if instr.opcode == "custom-call" else ""
+    dims = conv_dims(instr.attrs.get("dim_labels", ""), lhs, rhs, out[1], target)
+  else:
     numbers = config.get("dot_dimension_numbers")
     if numbers is not None:
       lc = _int_list(numbers.get("lhs_contracting_dimensions"))

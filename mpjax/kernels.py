@@ -11,7 +11,6 @@ side by side. The HLO is read with :mod:`mpjax.hlo`.
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 from collections import Counter
 from collections.abc import Callable, Mapping
@@ -58,6 +57,9 @@ class Kernel:
   peak_dtype: str | None
   standalone_convert: bool = False
   call: str | None = None  # for a GEMM or convolution: "cublas_lt", "triton_gemm", "cudnn"...
+  # for a GEMM or convolution: the dtype it accumulates in where the compiled program says it
+  # ("f32", "f16"...), else "unknown" (see mpjax.hlo.CompiledGemm.accumulation)
+  accumulation: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +111,12 @@ class KernelReport:
     return Counter(k.call for k in self.kernels if k.call)
 
   @property
+  def accumulation(self) -> Counter:
+    """GEMM and convolution kernels per accumulation dtype, as the compiled program says it
+    (``"f32"``, ``"f16"``...), ``"unknown"`` where it does not (e.g. a cuDNN convolution)."""
+    return Counter(k.accumulation for k in self.kernels if k.call)
+
+  @property
   def fp8_gemms(self) -> int:
     """GEMM kernels that multiply FP8 operands (an FP8 cuBLASLt call or an f8 dot in a fusion)."""
     return sum(k.kind == "gemm" and _is_fp8_name(k.peak_dtype) for k in self.kernels)
@@ -154,6 +162,7 @@ class KernelReport:
       "kernels": self.count,
       "by_kind": dict(self.by_kind),
       "calls": dict(self.calls),
+      "accumulation": dict(self.accumulation),
       "fp8_gemms": self.fp8_gemms,
       "standalone_converts": self.standalone_converts,
       "bytes_moved": self.bytes_moved,
@@ -171,15 +180,9 @@ def _is_fp8_name(dtype: str | None) -> bool:
 
 def _gemm_flops(gemms: list[CompiledGemm]) -> tuple[float, str | None]:
   """The FLOPs of a kernel's GEMMs, and the dtype they multiply: the wider operand's."""
-  flops = 0.0
+  flops = sum(g.flops for g in gemms)
   dtype = None
   for g in gemms:
-    if g.op == "dot" and g.dims:
-      flops += 2.0 * g.dims["batch"] * g.dims["M"] * g.dims["N"] * g.dims["K"]
-    elif g.op == "conv":
-      # output elements x 2 x (kernel elements per output channel)
-      out_channels = g.rhs_shape[-1] if g.rhs_shape else 1
-      flops += 2.0 * math.prod(g.out_shape) * math.prod(g.rhs_shape) / max(out_channels, 1)
     dtype = max((g.lhs_dtype, g.rhs_dtype), key=lambda d: np.dtype(d).itemsize)
   return flops, dtype
 
@@ -219,7 +222,10 @@ def _kernels(
       kind = "conv" if gemms[instr.name][0].op == "conv" else "gemm"
       if op == "custom-call":  # the workspace (the result tuple's last element) is scratch
         moved = operand_bytes + type_bytes(instr.type, first_only=True)
-      out.append(Kernel(instr.name, kind, moved, flops, dtype, call=gemms[instr.name][0].kind))
+      said = {g.accumulation for g in gemms[instr.name]}
+      acc = said.pop() if len(said) == 1 else "unknown"
+      call = gemms[instr.name][0].kind
+      out.append(Kernel(instr.name, kind, moved, flops, dtype, call=call, accumulation=acc))
     elif op == "fusion":
       fused = comps.get(next(iter(called_computations(instr)), ""), [])
       inner = {i.opcode for i in fused} - _FREE

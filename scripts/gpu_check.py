@@ -22,7 +22,12 @@ in about four minutes there), run on that machine's own jax. In one process it:
    interleaved rounds. Per variant: step ms, ratio to fp32, MFU (the step's
    GEMM FLOPs from :func:`mpjax.audit.audit_jaxpr` of the fp32 step, over the
    step time, over the device's dense bf16 peak from :func:`mpjax.get_target`),
-   compile seconds and options, the audit's fast-path share and GEMM calls;
+   compile seconds and options, the audit's fast-path share and GEMM calls, and
+   the accumulation of every compiled GEMM as the program says it
+   (:func:`accumulation_check`: the cuBLAS(Lt) call's algorithm and result
+   type, the Triton fusion dot's; ``unknown`` where it does not say, e.g. a
+   cuDNN convolution or a ``dot`` XLA:CPU emits), never inferred from the
+   fast-path share;
 3. for ``mixed_fp8``, whether every FP8 GEMM that mpjax planned (audit rows with
    an FP8 operand) ran in FP8: the compiled program's GEMMs
    (:func:`mpjax.audit.parse_compiled_gemms` of ``compiled.as_text()``) with
@@ -277,6 +282,32 @@ def fp8_count(report: AuditReport, hlo: str) -> dict[str, Any]:
   }
 
 
+def accumulation_check(hlo_text: str) -> dict[str, Any]:
+  """Each compiled floating-point GEMM's accumulation, read from the program, and a verdict.
+
+  ``f32_accumulation`` is ``"yes"`` where the compiled program says f32 (or f64)
+  for every GEMM, ``"NO"`` where it says a narrower dtype for any, else
+  ``"unknown"`` (some GEMM's accumulation is not in the program, or it has no
+  GEMM). A half result does not count as f32 accumulation, nor does the
+  audit's fast-path share.
+  """
+  gemms = [
+    g
+    for g in parse_compiled_gemms(hlo_text)
+    if all(jax.numpy.issubdtype(d, jax.numpy.floating) for d in (g.lhs_dtype, g.rhs_dtype))
+  ]
+  narrow = [g.name for g in gemms if g.accumulation not in ("f32", "f64", "unknown")]
+  unknown = [g.name for g in gemms if g.accumulation == "unknown"]
+  verdict = "NO" if narrow else "unknown" if unknown or not gemms else "yes"
+  return {
+    "f32_accumulation": verdict,
+    "gemms": len(gemms),
+    "by_dtype": dict(Counter(g.accumulation for g in gemms)),
+    "not_f32": narrow,
+    "unknown": unknown,
+  }
+
+
 # --------------------------------------------------------------------------- one model
 
 
@@ -309,6 +340,7 @@ def _compile_one(
     "gemm_flops": report.total_flops,
     "fast_path_share": report.fast_path_share,
     "calls": dict(Counter(r.call_kind or "unknown" for r in report.rows)),
+    "accumulation": accumulation_check(hlo),
   }
   if options and not on_gpu:
     figures["compile_note"] = (
@@ -458,20 +490,26 @@ def markdown(figures: dict[str, Any]) -> str:
   """One table of every model and variant, then the training comparison."""
   lines = [
     "| model | variant | step ms | vs fp32 | MFU | FP8 GEMMs in FP8 / planned | fast path "
-    "| compile s |",
-    "|---|---|---|---|---|---|---|---|",
+    "| f32 accumulation (compiled) | compile s |",
+    "|---|---|---|---|---|---|---|---|---|",
   ]
   for model, m in figures["models"].items():
     for label, v in m.get("variants", {}).items():
       if "error" in v:
-        lines.append(f"| {model} | {label} | failed: {v['error'][:80]} | | | | | |")
+        lines.append(f"| {model} | {label} | failed: {v['error'][:80]} | | | | | | |")
         continue
       mfu = f"{100 * v['mfu']:.1f}%" if v.get("mfu") is not None else "-"
       fp8 = v.get("fp8")
       f8 = f"{fp8['compiled_f8']} / {fp8['planned']}" if fp8 else "-"
+      acc = v.get("accumulation")
+      said = (
+        f"{acc['f32_accumulation']} ({acc['by_dtype'].get('f32', 0)} of {acc['gemms']} f32)"
+        if acc
+        else "-"
+      )
       lines.append(
         f"| {model} | {label} | {v['step_ms']:.2f} | {v['step_ratio']:.3f}x | {mfu} | {f8} "
-        f"| {100 * v['fast_path_share']:.0f}% | {v['compile_s']:.1f} |"
+        f"| {100 * v['fast_path_share']:.0f}% | {said} | {v['compile_s']:.1f} |"
       )
   env = figures["environment"]
   cuda = env["cuda"].get("cuda_runtime_version") or env["cuda"].get("nvidia_smi_cuda")

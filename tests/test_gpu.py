@@ -21,7 +21,7 @@ import mpjax.gpu
 import mpjax.kernels
 from mpjax import cli
 from mpjax import experiment as ex
-from mpjax.audit import parse_compiled_gemms
+from mpjax.audit import audit_jaxpr, parse_compiled_gemms
 
 try:
   importlib.metadata.version(mpjax.gpu.PLUGIN)
@@ -282,9 +282,14 @@ def test_every_shipped_config_audits_on_h100_with_every_gemm_matched(
     assert ("fp8-lost" in [f.code for f in r.flags]) == lost and r.fast == (not lost), r
   if mpjax.get_policy(config.policy).is_mixed:
     wide = [r for r in report.rows if r not in fp8_rows]
-    assert all(r.fast for r in wide), [(r.path, [f.code for f in r.flags]) for r in wide]
-    dots = [r for r in report.rows if r.op != "conv_general_dilated"]  # cuDNN does not say
+    said = [r for r in wide if r.accumulation != "unknown"]
+    assert all(r.fast for r in said), [(r.path, [f.code for f in r.flags]) for r in said]
+    dots = [r for r in report.rows if r.op != "conv_general_dilated"]
     assert {r.accumulation for r in dots} == {"f32"}
+    # Where the program does not say it (a cuDNN convolution writing bf16: cuDNN's choice),
+    # the audit says "unknown" and does not count the GEMM on the fast path.
+    unknown = [r for r in wide if r.accumulation == "unknown"]
+    assert report.accumulation_unknown == tuple(unknown) and not any(r.fast for r in unknown)
 
 
 def test_audit_lists_no_gemm_that_the_program_does_not_compute():
@@ -641,3 +646,122 @@ def test_the_h200_run_that_lost_fp8_is_reproduced_without_a_gpu():
     else:  # as mpjax predicted it
       assert len(f8_gemms) == 45 and {g.kind for g in f8_gemms} == {"cublas_lt_f8"}
       assert not report.flagged
+
+
+# ----------------------------------------------------------------- accumulation, conv FLOPs
+
+
+def _gpu_check():
+  import importlib.util
+
+  path = pathlib.Path(__file__).parent.parent / "scripts" / "gpu_check.py"
+  spec = importlib.util.spec_from_file_location("gpu_check", path)
+  module = importlib.util.module_from_spec(spec)
+  sys.modules[spec.name] = module  # its Flax modules are dataclasses
+  spec.loader.exec_module(module)
+  return module
+
+
+def _half_dot(x, w):
+  return lax.dot_general(x, w, (((1,), (0,)), ((), ())), preferred_element_type=x.dtype)
+
+
+@pytest.mark.parametrize(
+  "gemm_backend, kind", [("default", "triton_gemm"), ("cublaslt", "cublas_lt")]
+)
+def test_a_bf16_gemm_compiled_for_h100_reads_f32_accumulation_in_every_instrument(
+  gemm_backend, kind
+):
+  x = jax.ShapeDtypeStruct((1024, 256), jnp.bfloat16)
+  w = jax.ShapeDtypeStruct((256, 1024), jnp.bfloat16)
+  hlo = mpjax.compile_for(_half_dot, x, w, target="h100", gemm_backend=gemm_backend).as_text()
+  (gemm,) = parse_compiled_gemms(hlo)  # (sizes that XLA does not split over K deviceless)
+  # bf16 x bf16 -> bf16: the result is bf16, the accumulation (read from the call) is f32.
+  assert (gemm.kind, gemm.out_dtype, gemm.accumulation) == (kind, "bfloat16", "f32")
+  kernels = mpjax.kernel_report(_half_dot, x, w, target="h100", gemm_backend=gemm_backend)
+  assert [(k.call, k.accumulation) for k in kernels.kernels if k.call] == [(kind, "f32")]
+  assert kernels.to_dict()["accumulation"] == {"f32": 1}
+  report = mpjax.audit(_half_dot, x, w, target="h100", gemm_backend=gemm_backend)
+  assert report.rows[0].accumulation == "f32" and report.fast_path_share == 1.0
+  check = _gpu_check().accumulation_check(hlo)
+  assert check == {
+    "f32_accumulation": "yes",
+    "gemms": 1,
+    "by_dtype": {"f32": 1},
+    "not_f32": [],
+    "unknown": [],
+  }
+
+
+def test_a_gemm_whose_program_says_f16_or_nothing_is_not_counted_as_f32_accumulation():
+  x = jax.ShapeDtypeStruct((256, 512), jnp.float16)
+  w = jax.ShapeDtypeStruct((512, 1024), jnp.float16)
+  jaxpr = jax.make_jaxpr(_half_dot)(x, w)
+  gpu_check = _gpu_check()
+  # The cuBLASLt call as compiled for H100, hand-edited to an f16-accumulating algorithm.
+  lt = mpjax.compile_for(_half_dot, x, w, target="h100", gemm_backend="cublaslt").as_text()
+  assert lt.count('"algorithm":"ALG_UNSET"') == 1  # the premise: the call's own algorithm
+  edited = lt.replace('"algorithm":"ALG_UNSET"', '"algorithm":"ALG_DOT_F16_F16_F16"')
+  assert [g.accumulation for g in parse_compiled_gemms(edited)] == ["f16"]
+  kernels = mpjax.kernels.report_from_hlo(edited, "h100", gemm_backend="cublaslt")
+  assert kernels.to_dict()["accumulation"] == {"f16": 1}
+  assert gpu_check.accumulation_check(edited)["f32_accumulation"] == "NO"
+  (row,) = audit_jaxpr(jaxpr, platform="gpu", hlo_text=edited).rows
+  assert _codes(row) == ["low-precision-accumulation"] and not row.fast
+  # A bf16 convolution compiled for H100: a cuDNN call writing bf16, whose accumulation is
+  # cuDNN's choice, not in the program.
+  conv, conv_args, _ = _convs((32, 64))
+  hlo = mpjax.compile_for(conv, *conv_args, target="h100").as_text()
+  (gemm,) = parse_compiled_gemms(hlo)
+  assert (gemm.kind, gemm.out_dtype, gemm.accumulation) == ("cudnn", "bfloat16", "unknown")
+  assert gpu_check.accumulation_check(hlo)["f32_accumulation"] == "unknown"
+  kernels = mpjax.kernels.report_from_hlo(hlo, "h100")
+  assert kernels.to_dict()["accumulation"] == {"unknown": 1}
+  report = audit_jaxpr(jax.make_jaxpr(conv)(*conv_args), platform="gpu", hlo_text=hlo)
+  (row,) = report.rows
+  assert row.accumulation == "unknown" and not row.flags and not row.fast
+  assert report.fast_path_share == 0.0 and report.accumulation_unknown == (row,)
+  assert report.to_dict()["accumulation_unknown"] == 1
+  text = str(report)
+  assert "Accumulation: not known for 1 half-precision GEMMs" in text
+  assert "does not count them as accumulating in f32" in text
+
+
+def _convs(channels, *, grad=False):
+  """3x3 'SAME' NHWC convolutions through ``channels`` (bf16), and their hand-counted FLOPs."""
+  n, h, w = 8, 32, 32
+  x = jax.ShapeDtypeStruct((n, h, w, channels[0]), jnp.bfloat16)
+  kernels = [
+    jax.ShapeDtypeStruct((3, 3, c_in, c_out), jnp.bfloat16)
+    for c_in, c_out in zip(channels, channels[1:], strict=False)
+  ]
+
+  def f(x, *ks):
+    for k in ks:
+      x = lax.conv_general_dilated(x, k, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    return x.astype(jnp.float32).sum() if grad else x
+
+  # Each: 2 x output elements x (3 x 3 taps x input channels).
+  forward = [
+    2 * n * h * w * c_out * (3 * 3 * c_in)
+    for c_in, c_out in zip(channels, channels[1:], strict=False)
+  ]
+  return f, (x, *kernels), forward
+
+
+@pytest.mark.parametrize("channels", [(32, 64, 128), (64, 64)])
+def test_the_kernel_report_counts_convolution_flops_whatever_the_filter_layout(channels):
+  f, args, forward = _convs(channels)
+  report = mpjax.kernel_report(f, *args, target="h100")
+  convs = [k for k in report.kernels if k.kind == "conv"]
+  assert len(convs) == len(channels) - 1 and {k.call for k in convs} == {"cudnn"}
+  assert [k.flops for k in convs] == forward
+  # 32 -> 64 -> 128: 2 * 8 * 32 * 32 * (64 * 9 * 32 + 128 * 9 * 64) = 1.51 GFLOP.
+  assert report.flops == sum(forward)
+  # The gradients w.r.t. the image and every filter: each convolution's cuDNN backward-input
+  # and backward-filter calls (forward labels, other operands) cost its forward FLOPs each;
+  # of the forward convolutions only those whose output a gradient needs are computed.
+  g, args, forward = _convs(channels, grad=True)
+  grads = mpjax.kernel_report(jax.grad(g, argnums=tuple(range(len(args)))), *args, target="h100")
+  assert grads.by_kind["conv"] == 3 * len(forward) - 1
+  assert grads.flops == 2 * sum(forward) + sum(forward[:-1])
