@@ -14,6 +14,9 @@ import mpjax
 SLOW = {
   "tests/test_multidevice.py": "a subprocess with 8 host devices runs every case",
   "tests/test_experiment.py::test_interrupted_run_resumes_bit_identically": "trains twice",
+  "tests/test_experiment.py::test_health_and_the_guard_add_no_work_to_the_steps_between_theirs": (
+    "trains twice"
+  ),
   "tests/test_experiment.py::test_cli_sigterm_writes_a_checkpoint": "a CLI process, trains twice",
   "tests/test_experiment.py::test_digits_mixed_precision_accuracy": "trains to accuracy",
   "tests/test_experiment.py::test_char_lm_mixed_precision_loss": "trains an LM per policy",

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -459,13 +460,53 @@ def test_a_rerun_says_it_resumes_and_a_complete_run_says_so_without_training(tmp
   assert "step 15/20" in more.err and "step 20/20" in more.err and "step 5/20" not in more.err
 
 
-def test_diagnosis_features_leave_the_train_step_program_unchanged():
-  def step_jaxpr(overrides):
-    exp = ex.Experiment(ex.load_config("digits_mlp", ["policy=mixed_fp16", *overrides]))
-    state = exp.init_state()
-    batch = exp.put_batch(exp.dataset.batch(0, exp.config.batch_size, 0))
-    return str(jax.make_jaxpr(exp.make_step())(state, batch))
+def test_health_and_the_guard_add_no_work_to_the_steps_between_theirs(tmp_path, monkeypatch):
+  """What a run does after each step, seen from the host: the step program it runs (compiled
+  once, the same executable), every program call, device-to-host read and guard check."""
+  from mpjax.experiment import loop
 
-  plain = step_jaxpr(["stop_after_skips=0", "stop_at_min_scale=0"])
-  assert step_jaxpr(["health_every=5", "stop_after_skips=7", "stop_at_min_scale=9"]) == plain
-  assert step_jaxpr(["autocast_rules={'*MLP/dense_0*': 'fp32'}"]) != plain  # the premise
+  run_steps, device_get, check = loop._run_steps, jax.device_get, loop._DivergenceGuard.check
+
+  def traced(name, fn):
+    def call(*args, **kwargs):
+      events.append(name)
+      return fn(*args, **kwargs)
+
+    return call
+
+  def spied_run_steps(exp, compiled, *rest):
+    # The optimized HLO without its source locations (the callers' lines differ).
+    hlo = re.sub(r", metadata=\{[^}]*\}", "", compiled.as_text())
+    programs.append(
+      re.sub(r"(?m)^(\d+ .*|FileNames|FunctionNames|FileLocations|StackFrames)$", "", hlo)
+    )
+    exp.health_fn = traced("health", exp.health_fn)
+    return run_steps(exp, traced("step", compiled), *rest)
+
+  monkeypatch.setattr(loop, "_run_steps", spied_run_steps)
+  monkeypatch.setattr(jax, "device_get", traced("device_get", device_get))
+  monkeypatch.setattr(loop._DivergenceGuard, "check", traced("guard", check))
+
+  def after_each_step(overrides):
+    events.clear()
+    config = ex.load_config("digits_mlp", ["steps=6", "log_every=3", *overrides])
+    ex.train(config, run_dir=tmp_path / str(len(programs)))
+    steps = "|".join(events).split("step")[1:]  # what follows each step, up to the next
+    return [[e for e in s.split("|") if e] for s in steps]
+
+  events, programs = [], []
+  plain = after_each_step(["health_every=0", "stop_after_skips=0", "stop_at_min_scale=0"])
+  watched = after_each_step(["health_every=2", "stop_after_skips=7", "stop_at_min_scale=9"])
+  assert programs[0] == programs[1]  # the same compiled step program
+  assert len(plain) == len(watched) == 6  # one step program call per step, no other
+  assert plain[0] == [] and plain[2][:2] == ["device_get", "guard"]  # log steps: 3, 6
+  for it, (before, after) in enumerate(zip(plain, watched, strict=True), start=1):
+    if it % 2:  # between health steps: exactly what the plain run does
+      assert after == before, it
+    else:  # a health step: one health program and one read of its figures more
+      assert (
+        after.count("health") == 1 and after.count("device_get") == before.count("device_get") + 1
+      ), it
+      extra = ["health", "device_get"]
+      i = after.index("health")
+      assert after[:i] + after[i + 2 :] == before and after[i : i + 2] == extra, it
