@@ -1,6 +1,7 @@
 """The GEMM audit: every GEMM found, counted, flagged; the compiled-HLO reader on GPU-style text."""
 
 import json
+from collections import Counter
 
 import flax.linen as nn
 import jax
@@ -11,6 +12,7 @@ from jax import lax
 
 import mpjax
 from mpjax.audit import audit, audit_jaxpr, parse_compiled_gemms
+from mpjax.hlo import short_dtype
 from mpjax.kernels import report_from_hlo
 
 
@@ -469,23 +471,53 @@ def test_a_strided_convolution_and_both_its_gradients_count_the_same_flops():
 
 
 def test_the_hlo_reader_reads_a_train_step_that_an_h200_compiled_and_autotuned():
-  """Real GPU output, not hand-made HLO: gpu_check's mixed_bf16 char-LM step (4 layers, d512).
+  """Real GPU output, not hand-made HLO: the mixed_bf16 char-LM step (4 layers, d512) of
+  gpu_check at commit 5efd7ca, compiled and autotuned on a lent NVIDIA H200.
 
-  Compiled on a lent NVIDIA H200 (jax 0.11.2, CUDA 13), where autotuning put some GEMMs in
-  Triton fusions (``__triton_nested_gemm_fusion``) and the rest in cuBLASLt calls.
+  Its provenance and its 75 GEMM calls are in ``tests/data/h200_mixed_bf16_step.json``: it
+  is NOT the program behind ``results/gpu/gpu_check_h200.json`` (20 cuBLASLt / 55 Triton).
   """
   import gzip
+  import hashlib
   import pathlib
 
-  path = pathlib.Path(__file__).parent / "data" / "h200_mixed_bf16_step.hlo.gz"
+  data = pathlib.Path(__file__).parent / "data"
+  path = data / "h200_mixed_bf16_step.hlo.gz"
+  record = json.loads((data / "h200_mixed_bf16_step.json").read_text())
+  assert hashlib.sha256(path.read_bytes()).hexdigest() == record["sha256_gz"]
   hlo = gzip.open(path, "rt").read()
-  gemms = parse_compiled_gemms(hlo)
-  assert len(gemms) == 75  # 25 in the forward pass, 50 in the backward
-  assert {g.kind for g in gemms} == {"triton_gemm", "cublas_lt"}
-  assert {(g.lhs_dtype, g.rhs_dtype) for g in gemms} == {("bfloat16", "bfloat16")}
+  calls = [
+    {
+      "name": g.name,
+      "kind": g.kind,
+      "dtypes": f"{short_dtype(g.lhs_dtype)} x {short_dtype(g.rhs_dtype)} -> "
+      f"{short_dtype(g.out_dtype)}",
+      "accumulation": g.accumulation,
+      "shapes": [list(g.lhs_shape), list(g.rhs_shape), list(g.out_shape)],
+      "op_name": g.op_name.removeprefix("jit(step)/"),
+    }
+    for g in parse_compiled_gemms(hlo)
+  ]
+  assert calls == record["calls"]  # call by call, in program order
+  # What the table holds, counted here from the calls themselves.
+  assert len(calls) == 75  # 25 in the forward pass, 50 in the backward
+  kinds = Counter((c["kind"], c["dtypes"]) for c in calls)
+  # The 17 f32 results are weight gradients split over K (f32 partials, summed after).
+  assert kinds == {
+    ("triton_gemm", "bf16 x bf16 -> bf16"): 58,
+    ("triton_gemm", "bf16 x bf16 -> f32"): 9,
+    ("cublas_lt", "bf16 x bf16 -> f32"): 8,
+  }
+  assert {c["accumulation"] for c in calls} == {"f32"}
+  assert sum("transpose(jvp(CharLM))" in c["op_name"] for c in calls) == 50
+  # Not the JSON's program: its mixed_bf16 step had 20 cuBLASLt calls and 55 Triton fusions.
+  run = json.loads((data.parent.parent / "results" / "gpu" / "gpu_check_h200.json").read_text())
+  assert run["variants"]["mixed_bf16 (autocast)"]["calls"] == "cublas_lt 20, triton_gemm 55"
+  assert (record["counts"]["cublas_lt"], record["counts"]["triton_gemm"]) == (8, 67)
   report = report_from_hlo(hlo, "h200")
   assert report.by_kind["gemm"] == 75 and report.by_kind["conditional"] == 0
-  assert report.count > 75 and report.bytes_moved > 0
-  assert report.flops > 0 and {k.peak_dtype for k in report.kernels if k.kind == "gemm"} == {
-    "bfloat16"
-  }
+  assert report.calls == {"triton_gemm": 67, "cublas_lt": 8}
+  assert report.accumulation == {"f32": 75}
+  # The same model FLOPs as the saved run's audit (split-K changes the shapes, not the FLOPs).
+  assert report.flops == record["counts"]["gemm_flops"] == run["audit"]["total_flops"]
+  assert {k.peak_dtype for k in report.kernels if k.kind == "gemm"} == {"bfloat16"}
