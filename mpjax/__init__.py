@@ -40,6 +40,12 @@ from mpjax.policy import cast_to_half as cast_to_half
 from mpjax.policy import dtype_to_names as dtype_to_names
 from mpjax.policy import get_policy as get_policy
 from mpjax.policy import half_dtype as half_dtype
+from mpjax.rounding import RoundingState as RoundingState
+from mpjax.rounding import init_opt_state as init_opt_state
+from mpjax.rounding import kahan_add as kahan_add
+from mpjax.rounding import rounded_update as rounded_update
+from mpjax.rounding import state_bytes as state_bytes
+from mpjax.rounding import stochastic_round as stochastic_round
 from mpjax.train_state import TrainState as TrainState
 from mpjax.train_step import init_fp8_state as init_fp8_state
 from mpjax.train_step import make_train_step as make_train_step
@@ -91,5 +97,11 @@ __all__ = [
   "configure_xla",
   "pad_to_multiple",
   "select_tree",
+  "RoundingState",
+  "init_opt_state",
+  "kahan_add",
+  "rounded_update",
+  "state_bytes",
+  "stochastic_round",
   "testing",
 ]

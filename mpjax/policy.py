@@ -22,6 +22,7 @@ from jax.typing import DTypeLike
 
 from mpjax._dtypes import cast_floating
 from mpjax.fp8 import Fp8Recipe
+from mpjax.rounding import ROUNDINGS
 
 __all__ = [
   "Policy",
@@ -81,6 +82,16 @@ class Policy:
       (under :func:`mpjax.autocast` and :func:`mpjax.make_train_step`), the
       rest as the dtypes say; ``None`` (default) for no FP8. It needs
       ``compute_dtype`` bf16 or f16 (what FP8 values are widened to).
+    opt_state_dtype: dtype the optimizer's per-parameter state (Adam's
+      moments, a momentum) is stored in, e.g. ``jnp.bfloat16`` for half its
+      bytes; the optimizer still computes in f32. ``None`` (default): as the
+      optimizer makes it from the params (in ``param_dtype``).
+    rounding: how each update is written to a stored bf16 value:
+      ``"nearest"`` (default; an update below half of bf16's spacing is lost),
+      ``"stochastic"`` (up with probability equal to the remainder: right in
+      expectation) or ``"kahan"`` (bf16 params with a bf16 compensation buffer
+      that keeps what rounding lost; the optimizer state rounded
+      stochastically). See :mod:`mpjax.rounding` and the ``"bf16_sr"`` preset.
 
   Example:
     >>> import jax.numpy as jnp
@@ -98,10 +109,16 @@ class Policy:
   compute_dtype: DTypeLike
   output_dtype: DTypeLike
   fp8: Fp8Recipe | None = None
+  opt_state_dtype: DTypeLike | None = None
+  rounding: str = "nearest"
 
   def __post_init__(self):
     for field in ("param_dtype", "compute_dtype", "output_dtype"):
       object.__setattr__(self, field, _canonical_dtype(getattr(self, field), field))
+    if self.opt_state_dtype is not None:
+      dtype = _canonical_dtype(self.opt_state_dtype, "opt_state_dtype")
+      object.__setattr__(self, "opt_state_dtype", dtype)
+    _check_rounding(self)
     if self.fp8 is not None:
       if not isinstance(self.fp8, Fp8Recipe):
         raise ValueError(
@@ -176,12 +193,51 @@ class Policy:
 
 _F32, _BF16, _F16 = np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16)
 
+
+def _check_rounding(policy: Policy) -> None:
+  """Refuses an opt_state_dtype or rounding that no train state can store."""
+  rounding = policy.rounding
+  if rounding not in ROUNDINGS:
+    raise ValueError(
+      f"Policy rounding={rounding!r} is not one of {', '.join(map(repr, ROUNDINGS))}; use "
+      "rounding='stochastic' for bf16 params and optimizer state (the 'bf16_sr' preset)."
+    )
+  if policy.opt_state_dtype is not None and policy.opt_state_dtype not in (_F32, _BF16):
+    raise ValueError(
+      f"Policy opt_state_dtype={policy.opt_state_dtype.name}: optimizer state is stored in "
+      "float32 or bfloat16 (fp16's range flushes Adam's second moment, a squared gradient, "
+      "to zero); use opt_state_dtype=jnp.bfloat16."
+    )
+  if rounding == "nearest":
+    return
+  stored = [policy.param_dtype] + [policy.opt_state_dtype] * (policy.opt_state_dtype is not None)
+  if _F16 in stored:
+    raise ValueError(
+      f"Policy rounding={rounding!r} rounds f32 to bfloat16, not float16; use param_dtype "
+      "jnp.bfloat16, or rounding='nearest' for fp16."
+    )
+  if rounding == "kahan" and policy.param_dtype != _BF16:
+    raise ValueError(
+      f"Policy rounding='kahan' compensates bf16 params, but param_dtype is "
+      f"{policy.param_dtype.name}; use param_dtype=jnp.bfloat16 (the 'bf16_kahan' preset), "
+      "or rounding='stochastic' for bf16 optimizer state with f32 params."
+    )
+  if _BF16 not in stored:
+    raise ValueError(
+      f"Policy rounding={rounding!r} rounds values stored in bfloat16, but this policy stores "
+      f"params and optimizer state in {policy.param_dtype.name}; "
+      "set param_dtype or opt_state_dtype to jnp.bfloat16, or use rounding='nearest'."
+    )
+
+
 PRESETS: dict[str, Policy] = {
   "fp32": Policy(_F32, _F32, _F32),
   "mixed_bf16": Policy(_F32, _BF16, _F32),
   "mixed_fp16": Policy(_F32, _F16, _F32),
   "mixed_fp8": Policy(_F32, _BF16, _F32, fp8=Fp8Recipe()),
   "pure_bf16": Policy(_BF16, _BF16, _BF16),
+  "bf16_sr": Policy(_BF16, _BF16, _F32, opt_state_dtype=_BF16, rounding="stochastic"),
+  "bf16_kahan": Policy(_BF16, _BF16, _F32, opt_state_dtype=_BF16, rounding="kahan"),
 }
 """The named policies; ``"auto"`` picks one of them for the running backend."""
 
@@ -408,7 +464,11 @@ def get_policy(spec: Policy | str | Any = "mixed_bf16") -> Policy:
   Presets: ``"fp32"``; ``"mixed_bf16"`` (params f32, compute bf16, output f32);
   ``"mixed_fp16"`` (the same with fp16); ``"mixed_fp8"`` (``"mixed_bf16"``
   with the GEMMs of layers in FP8: E4M3 operands, E5M2 gradients, delayed
-  scaling in a train step, see :class:`mpjax.Fp8Recipe`); ``"pure_bf16"`` (all bf16); ``"auto"``
+  scaling in a train step, see :class:`mpjax.Fp8Recipe`); ``"pure_bf16"`` (all bf16);
+  ``"bf16_sr"`` (params and optimizer state stored in bf16, half of
+  ``"mixed_bf16"``'s train state, every write rounded stochastically; compute
+  bf16, output f32); ``"bf16_kahan"`` (the same with Kahan-compensated params:
+  a bf16 compensation buffer more, closer to f32 masters); ``"auto"``
   (bf16 on TPU and on NVIDIA GPUs of compute capability >= 8.0, fp16 on 7.x,
   bf16 on CPUs with AVX512-BF16 or AMX, else fp32).
 

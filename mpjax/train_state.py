@@ -14,6 +14,7 @@ from mpjax._dtypes import cast_floating, is_floating
 from mpjax.fp8 import Fp8State
 from mpjax.loss_scale import DynamicLossScale, LossScale, NoOpLossScale
 from mpjax.policy import Policy, get_policy
+from mpjax.rounding import init_opt_state
 
 __all__ = ["TrainState"]
 
@@ -36,7 +37,10 @@ class TrainState(struct.PyTreeNode):
   Attributes:
     step: the number of updates applied (int32); a skipped step leaves it.
     params: the master parameters, in the policy's ``param_dtype``.
-    opt_state: the optax optimizer state, built from the master parameters.
+    opt_state: the optax optimizer state, built from the master parameters;
+      for a policy that stores it in its own dtype or rounds its writes
+      (``"bf16_sr"``), an :class:`mpjax.RoundingState` around it, holding the
+      rounding's key (see :func:`mpjax.init_opt_state`).
     loss_scale: a :class:`NoOpLossScale`, :class:`StaticLossScale` or
       :class:`DynamicLossScale`.
     skipped_steps: the number of steps skipped for non-finite gradients (int32).
@@ -86,6 +90,7 @@ class TrainState(struct.PyTreeNode):
     policy: Policy | str | Any = "mixed_bf16",
     loss_scale: LossScale | None = None,
     model_state: Any = None,
+    rounding_key: jax.Array | int | None = None,
   ) -> TrainState:
     """Builds a state with step 0 and the optimizer initialised on the master params.
 
@@ -100,6 +105,9 @@ class TrainState(struct.PyTreeNode):
         otherwise.
       model_state: non-trained model variables, e.g. ``{"batch_stats": ...}``
         from ``model.init``; ``None`` means none. Floating leaves are kept f32.
+      rounding_key: for a policy that rounds stochastically (``"bf16_sr"``),
+        the key its random bits come from: ``jax.random.key(seed)`` or an int
+        seed; ``None`` means seed 0. Ignored by other policies.
 
     Returns:
       The new state.
@@ -139,7 +147,7 @@ class TrainState(struct.PyTreeNode):
     return cls(
       step=jnp.zeros((), jnp.int32),
       params=params,
-      opt_state=tx.init(params),
+      opt_state=init_opt_state(tx, policy, params, rounding_key),
       loss_scale=loss_scale,
       skipped_steps=jnp.zeros((), jnp.int32),
       model_state=model_state,

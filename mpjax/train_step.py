@@ -24,6 +24,7 @@ from mpjax.loss_scale import (
   select_tree,
 )
 from mpjax.policy import Policy
+from mpjax.rounding import rounded_update, uses_rounded_storage
 from mpjax.train_state import TrainState
 
 __all__ = ["make_train_step", "init_fp8_state"]
@@ -483,9 +484,13 @@ def _clip(grads: Any, grad_norm: jax.Array, max_grad_norm: float) -> Any:
 _Operands = tuple[Any, Any, Any, Any, Any, Any, Any]
 
 
-def _update(tx: optax.GradientTransformation, operands: _Operands) -> tuple[Any, Any, Any, Any]:
+def _update(
+  tx: optax.GradientTransformation, operands: _Operands, policy: Policy | None = None
+) -> tuple[Any, Any, Any, Any]:
   """The optax update: new params, optimizer state, model state and FP8 state."""
   params, opt_state, _, _, grads, new_model_state, new_fp8 = operands
+  if policy is not None and uses_rounded_storage(policy):  # f32 update, rounded writes
+    return (*rounded_update(tx, policy, grads, opt_state, params), new_model_state, new_fp8)
   updates, new_opt_state = tx.update(_like(grads, params), opt_state, params)
   # apply_updates keeps each param's dtype; optimizers may not keep theirs.
   new_params = optax.apply_updates(params, updates)
@@ -499,7 +504,7 @@ def _keep(operands: _Operands) -> tuple[Any, Any, Any, Any]:
 
 def _apply(state: TrainState, operands: _Operands) -> TrainState:
   """The next state, updated unchecked."""
-  params, opt_state, model_state, fp8_state = _update(state.tx, operands)
+  params, opt_state, model_state, fp8_state = _update(state.tx, operands, state.policy)
   return state.replace(
     step=state.step + 1,
     params=params,
@@ -514,7 +519,7 @@ def _apply_if_finite(
 ) -> TrainState:
   """The next state: updated if the gradients are finite, else only the loss scale and
   ``skipped_steps`` move."""
-  apply_update = functools.partial(_update, state.tx)
+  apply_update = functools.partial(_update, state.tx, policy=state.policy)
   # Per backend (the one the step is traced for). XLA:CPU: a
   # conditional, so a skipped step costs nothing and a finite one no extra
   # pass. XLA:GPU: a conditional keeps the update from fusing and copies the

@@ -1,0 +1,332 @@
+"""Storing params and optimizer state in bf16 without losing small updates.
+
+An update smaller than half of bf16's spacing (2**-8 relative) is lost when the
+new value is rounded to nearest, so a bf16 train state stalls where f32 masters
+keep moving. Two writes keep it:
+
+- **stochastic rounding**: round up with probability equal to the remainder,
+  so the stored value is right in expectation. For f32 -> bf16 that is: add 16
+  uniform random bits to the low half of the f32 bit pattern, then drop it.
+- **Kahan-compensated summation**: keep what the rounding lost in a bf16
+  compensation buffer and add it back on the next update.
+
+The optimizer itself runs in f32 on the stored values widened, inside the same
+jitted step, so XLA fuses the widening, the optax update and the rounded write
+into the optimizer's own kernels: no extra pass over the params.
+
+The random bits are a pure function of the train state: a key and an update
+count kept in the optimizer state (:class:`RoundingState`), folded per leaf. So
+two runs from one state are bit-identical, a resumed run continues as an
+uninterrupted one, a skipped step (which keeps the optimizer state) changes
+nothing, and data-parallel replicas, which hold the same key, round alike.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+
+from mpjax._dtypes import is_floating
+
+__all__ = [
+  "ROUNDINGS",
+  "RoundingState",
+  "stochastic_round",
+  "kahan_add",
+  "uses_rounded_storage",
+  "init_opt_state",
+  "rounded_update",
+  "state_bytes",
+]
+
+ROUNDINGS = ("nearest", "stochastic", "kahan")
+"""How a value is written to its stored dtype (:attr:`mpjax.Policy.rounding`)."""
+
+_BF16, _F32 = np.dtype(jnp.bfloat16), np.dtype(jnp.float32)
+# Leaves of the optimizer state are folded in after the params' (a leaf index per stream).
+_OPT_STREAM = 1 << 20
+
+
+class RoundingState(NamedTuple):
+  """The optimizer state of a policy with rounded storage (see :func:`init_opt_state`).
+
+  Attributes:
+    inner: the optax optimizer's own state; its floating leaves of rank >= 1
+      in the policy's ``opt_state_dtype``.
+    key: the raw ``uint32[2]`` data of the PRNG key the rounding draws from
+      (a plain array, so checkpoints keep it).
+    count: the updates applied (int32), folded into the key: each update
+      draws new bits; a skipped step, which keeps this state, draws none.
+    compensation: with ``rounding="kahan"``, what rounding each param lost,
+      params-shaped, in the param dtype; ``None`` otherwise.
+  """
+
+  inner: optax.OptState
+  key: jax.Array
+  count: jax.Array
+  compensation: Any
+
+
+def uses_rounded_storage(policy: Any) -> bool:
+  """Whether ``policy`` stores optimizer state in its own dtype or rounds the writes.
+
+  Such a policy's train state keeps a :class:`RoundingState` as its optimizer
+  state, and its step runs the optimizer in f32 on the widened stored values.
+  """
+  return policy.opt_state_dtype is not None or policy.rounding != "nearest"
+
+
+def stochastic_round(x: jax.Array, bits: jax.Array, dtype: Any = jnp.bfloat16) -> jax.Array:
+  """``x`` rounded to bf16 stochastically: up with probability equal to the remainder.
+
+  Adds the low 16 of ``bits`` to the low half of ``x``'s f32 bit pattern and
+  drops that half, so ``E[stochastic_round(x)] == x`` over uniform ``bits``.
+  Infinities stay; NaN stays NaN; a finite value within one bf16 spacing of
+  bf16's largest may round up to infinity, with the probability its remainder
+  gives.
+
+  Args:
+    x: the values (any float dtype; computed in f32).
+    bits: uniform ``uint32`` random bits, ``x``'s shape.
+    dtype: the target dtype; only ``bfloat16`` is rounded stochastically (an
+      f32 target is ``x`` in f32).
+
+  Returns:
+    ``x`` in ``dtype``.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, mpjax
+    >>> x = jnp.full((100_000,), 1.0 + 2.0**-10)  # a quarter of bf16's spacing above 1
+    >>> bits = jax.random.bits(jax.random.key(0), x.shape, jnp.uint32)
+    >>> y = mpjax.stochastic_round(x, bits)
+    >>> y.dtype, sorted(set(y.tolist()))
+    (dtype(bfloat16), [1.0, 1.0078125])
+    >>> abs(float(jnp.mean(y.astype(jnp.float32))) - (1.0 + 2.0**-10)) < 1e-4
+    True
+  """
+  dtype = np.dtype(dtype)
+  x = x.astype(jnp.float32)
+  if dtype == _F32:
+    return x
+  if dtype != _BF16:
+    raise ValueError(
+      f"stochastic_round: rounds f32 to bfloat16 only, not {dtype.name}; store bf16, or "
+      "use rounding='nearest'."
+    )
+  pattern = lax.bitcast_convert_type(x, jnp.uint32)
+  rounded = (pattern + (bits.astype(jnp.uint32) & 0xFFFF)) & jnp.uint32(0xFFFF0000)
+  # The truncation is exact: the low half of ``rounded`` is zero.
+  y = lax.bitcast_convert_type(rounded, jnp.float32).astype(jnp.bfloat16)
+  # A NaN's pattern could carry into the sign; infinities have a zero low half.
+  return jnp.where(jnp.isnan(x), x.astype(jnp.bfloat16), y)
+
+
+def kahan_add(
+  value: jax.Array, update: jax.Array, compensation: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+  """``value + update`` stored in ``value``'s dtype, with what rounding lost kept apart.
+
+  The sum ``value + update + compensation`` is taken in f32, rounded to
+  nearest in ``value``'s dtype, and the rest (what the rounding dropped) is the
+  new compensation, added back next time: an update far below the dtype's
+  spacing accumulates there until it moves the value.
+
+  Args:
+    value: the stored value (bf16).
+    update: the update (f32).
+    compensation: the previous compensation (``value``'s dtype).
+
+  Returns:
+    ``(new_value, new_compensation)``, both in ``value``'s dtype.
+
+  Example:
+    >>> import jax.numpy as jnp, mpjax
+    >>> v, c = jnp.ones(1, jnp.bfloat16), jnp.zeros(1, jnp.bfloat16)
+    >>> for _ in range(8):  # 8 updates of 2**-10, each a quarter of bf16's spacing at 1
+    ...   v, c = mpjax.kahan_add(v, jnp.full(1, 2.0**-10), c)
+    >>> float(v[0]), float(c[0])  # round to nearest alone would stay at 1.0
+    (1.0078125, 0.0)
+  """
+  total = value.astype(jnp.float32) + update.astype(jnp.float32) + compensation.astype(jnp.float32)
+  new_value = total.astype(value.dtype)
+  new_compensation = (total - new_value.astype(jnp.float32)).astype(compensation.dtype)
+  # Where the sum is not finite, no compensation is kept (inf - inf would be NaN).
+  new_compensation = jnp.where(jnp.isfinite(total), new_compensation, 0).astype(compensation.dtype)
+  return new_value, new_compensation
+
+
+def _stored(x: Any, dtype: Any) -> Any:
+  """A floating leaf of rank >= 1 in ``dtype``; scalars (counts, hyperparameters) and
+  non-floating leaves as they are."""
+  if dtype is None or not is_floating(x) or jnp.ndim(x) == 0:
+    return x
+  return x.astype(dtype)
+
+
+def _key_data(key: jax.Array | int | None) -> jax.Array:
+  if key is None:
+    key = 0
+  if isinstance(key, int):
+    key = jax.random.key(key)
+  if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+    key = jax.random.key_data(key)
+  key = jnp.asarray(key, jnp.uint32)
+  expected = jax.random.key_data(jax.random.key(0)).shape
+  if key.shape != expected:
+    raise ValueError(
+      f"rounding key: expected jax.random.key(seed), an int seed or uint32{list(expected)} "
+      f"key data, got shape {key.shape}."
+    )
+  return key
+
+
+def init_opt_state(
+  tx: optax.GradientTransformation,
+  policy: Any,
+  params: Any,
+  key: jax.Array | int | None = None,
+) -> Any:
+  """The optimizer state a policy stores: ``tx.init(params)``, or a :class:`RoundingState`.
+
+  For a policy without rounded storage (:func:`uses_rounded_storage` false)
+  this is ``tx.init(params)``. Otherwise the optimizer's state is initialised
+  on the params in f32 and its floating leaves of rank >= 1 (Adam's moments, a
+  momentum, whatever the optimizer keeps per parameter) are stored in the
+  policy's ``opt_state_dtype`` (``None``: its ``param_dtype``); scalars such
+  as Adam's ``count`` or injected hyperparameters (``b2=0.999`` is 1.0 in
+  bf16) and integer leaves stay as the optimizer made them.
+
+  Args:
+    tx: any optax optimizer.
+    policy: the :class:`mpjax.Policy`.
+    params: the params, already in the policy's ``param_dtype``.
+    key: the rounding's PRNG key (``jax.random.key``), an int seed, or
+      ``None`` for seed 0.
+
+  Returns:
+    The optimizer state.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, mpjax
+    >>> policy = mpjax.get_policy("bf16_sr")
+    >>> params = {"w": jnp.zeros((2, 3), jnp.bfloat16)}
+    >>> state = mpjax.init_opt_state(optax.adamw(1e-3), policy, params)
+    >>> state.inner[0].mu["w"].dtype, state.inner[0].count.dtype
+    (dtype(bfloat16), dtype('int32'))
+  """
+  if not uses_rounded_storage(policy):
+    return tx.init(params)
+  dtype = policy.param_dtype if policy.opt_state_dtype is None else policy.opt_state_dtype
+  inner = jax.tree.map(lambda x: _stored(x, dtype), tx.init(jax.tree.map(_widened, params)))
+  compensation = None
+  if policy.rounding == "kahan":
+    compensation = jax.tree.map(lambda p: jnp.zeros_like(p) if is_floating(p) else None, params)
+  return RoundingState(inner, _key_data(key), jnp.zeros((), jnp.int32), compensation)
+
+
+def _widened(x: Any) -> Any:
+  return x.astype(jnp.float32) if is_floating(x) and jnp.finfo(x.dtype).bits < 32 else x
+
+
+def _write(new: Any, old: Any, rounding: str, key: jax.Array, index: int) -> Any:
+  """``new`` (f32) written to ``old``'s dtype: stochastically for bf16 unless nearest."""
+  if not is_floating(old) or new is None:
+    return new
+  if rounding == "nearest" or np.dtype(old.dtype) != _BF16:
+    return new.astype(old.dtype)
+  bits = jax.random.bits(jax.random.fold_in(key, index), jnp.shape(new), jnp.uint32)
+  return stochastic_round(new, bits, old.dtype)
+
+
+def rounded_update(
+  tx: optax.GradientTransformation,
+  policy: Any,
+  grads: Any,
+  opt_state: RoundingState,
+  params: Any,
+) -> tuple[Any, RoundingState]:
+  """One optimizer update of rounded storage: the new params and :class:`RoundingState`.
+
+  Widens the stored params and optimizer state to f32, runs ``tx.update`` and
+  the addition in f32, and writes each result back to its stored dtype: bf16
+  stochastically (``"stochastic"``, and the optimizer state under
+  ``"kahan"``), the params of ``"kahan"`` compensated, anything else to
+  nearest. All of it is elementwise, so under ``jax.jit`` XLA fuses it into the
+  optimizer's kernels.
+
+  Args:
+    tx: the optax optimizer.
+    policy: the :class:`mpjax.Policy`.
+    grads: the f32 gradients.
+    opt_state: the state from :func:`init_opt_state`.
+    params: the stored params.
+
+  Returns:
+    ``(new_params, new_opt_state)``, in the dtypes they had.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, mpjax
+    >>> policy = mpjax.get_policy("bf16_sr")
+    >>> params = {"w": jnp.ones(4, jnp.bfloat16)}
+    >>> tx = optax.sgd(1e-3)
+    >>> opt_state = mpjax.init_opt_state(tx, policy, params)
+    >>> update = jax.jit(lambda g, s, p: mpjax.rounded_update(tx, policy, g, s, p))
+    >>> params, opt_state = update({"w": jnp.ones(4)}, opt_state, params)
+    >>> params["w"].dtype, int(opt_state.count)
+    (dtype(bfloat16), 1)
+  """
+  if not isinstance(opt_state, RoundingState):
+    raise TypeError(
+      f"rounded_update: the optimizer state of policy {policy} must be an "
+      f"mpjax.RoundingState (from TrainState.create / mpjax.init_opt_state), got "
+      f"{type(opt_state).__name__}."
+    )
+  key = jax.random.fold_in(jax.random.wrap_key_data(opt_state.key), opt_state.count)
+  params32 = jax.tree.map(_widened, params)
+  inner32 = jax.tree.map(_widened, opt_state.inner)
+  updates, new_inner = tx.update(jax.tree.map(_widened, grads), inner32, params32)
+  opt_rounding = "nearest" if policy.rounding == "nearest" else "stochastic"
+  leaves, treedef = jax.tree.flatten(opt_state.inner)
+  new_leaves = treedef.flatten_up_to(new_inner)
+  new_inner = treedef.unflatten(
+    _write(n, o, opt_rounding, key, _OPT_STREAM + i)
+    for i, (n, o) in enumerate(zip(new_leaves, leaves, strict=True))
+  )
+  p_leaves, p_treedef = jax.tree.flatten(params)
+  u_leaves = p_treedef.flatten_up_to(updates)
+  compensation = opt_state.compensation
+  if policy.rounding == "kahan":
+    c_leaves = p_treedef.flatten_up_to(compensation)
+    pairs = [
+      (p, c) if c is None else kahan_add(p, u, c)
+      for p, u, c in zip(p_leaves, u_leaves, c_leaves, strict=True)
+    ]
+    new_params = p_treedef.unflatten(p for p, _ in pairs)
+    compensation = p_treedef.unflatten(c for _, c in pairs)
+  else:
+    new_params = p_treedef.unflatten(
+      _write(_widened(p) + u, p, policy.rounding, key, i) if is_floating(p) else p
+      for i, (p, u) in enumerate(zip(p_leaves, u_leaves, strict=True))
+    )
+  return new_params, RoundingState(new_inner, opt_state.key, opt_state.count + 1, compensation)
+
+
+def state_bytes(params: Any, opt_state: Any) -> int:
+  """The bytes of a train state's params and optimizer state (what each step reads and writes).
+
+  Example:
+    >>> import jax.numpy as jnp, optax, mpjax
+    >>> params = {"w": jnp.zeros(1000)}
+    >>> mpjax.state_bytes(params, optax.adam(1e-3).init(params))  # 4 + 4 + 4 bytes a param
+    12004
+  """
+  return sum(
+    int(np.prod(jnp.shape(x))) * jnp.dtype(x.dtype).itemsize
+    for x in jax.tree.leaves((params, opt_state))
+    if hasattr(x, "dtype")
+  )
