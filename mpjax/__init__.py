@@ -12,6 +12,8 @@ from mpjax.autocast import autocast_report as autocast_report
 from mpjax.data import Dataset as Dataset
 from mpjax.data import load_dataset as load_dataset
 from mpjax.diagnose import NonFiniteReport as NonFiniteReport
+from mpjax.diagnose import UncheckedOp as UncheckedOp
+from mpjax.diagnose import UncheckedReport as UncheckedReport
 from mpjax.diagnose import find_nonfinite as find_nonfinite
 from mpjax.diagnose import grad_health as grad_health
 from mpjax.diagnose import suggest_rules as suggest_rules
@@ -58,6 +60,8 @@ __all__ = [
   "AuditReport",
   "Dataset",
   "NonFiniteReport",
+  "UncheckedReport",
+  "UncheckedOp",
   "find_nonfinite",
   "grad_health",
   "suggest_rules",

@@ -22,16 +22,32 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import tree_util
-from jax.extend import core as jcore
 
-from mpjax.autocast import autocast, is_array, with_arrays
-from mpjax.autocast_interpreter import INPUT, EvalContext, eval_closed
-from mpjax.op_classes import module_of, parse_rules
+from mpjax.diagnose_replay import MAX_REPLAYED, Replay, ReplayedOp, replay_program
+from mpjax.op_classes import module_of
 from mpjax.policy import PRESETS, Policy
 
-__all__ = ["NonFiniteReport", "find_nonfinite", "suggest_rules", "grad_health", "module_of"]
+__all__ = [
+  "NonFiniteReport",
+  "UncheckedOp",
+  "UncheckedReport",
+  "find_nonfinite",
+  "suggest_rules",
+  "grad_health",
+  "module_of",
+]
 
 _F32_POLICY = PRESETS["fp32"]
+
+
+# The scope jax.checkpoint gives the forward operations it computes again in the backward pass
+# (the train step's program on a CPU, under remat); autocast's rules never see it.
+_REMAT_SCOPE = "rematted_computation"
+
+
+def _module(path: str) -> str:
+  """The module of a replayed operation, as autocast rules match it (see module_of)."""
+  return "/".join(p for p in module_of(path).split("/") if p != _REMAT_SCOPE)
 
 
 def rule_for(module: str, primitive: str) -> dict[str, str]:
@@ -63,6 +79,10 @@ class NonFiniteReport:
       ``config.autocast_rules``).
     index: the operation's position in the replay (program order).
     policy: the policy it was replayed under.
+    iteration: the iteration of each loop around the operation, outermost
+      first (for a ``scan``, the index into the scanned axis: the layer of a
+      scanned layer stack; for a ``while``, the iterations run before);
+      empty outside loops.
   """
 
   module: str
@@ -75,6 +95,7 @@ class NonFiniteReport:
   rule: Mapping[str, str]
   index: int
   policy: str
+  iteration: tuple[int, ...] = ()
 
   def __str__(self) -> str:
     where = f"module `{self.module}`" if self.module else "the top level"
@@ -90,117 +111,92 @@ class NonFiniteReport:
       )
     return (
       f"The first value that is not finite under {self.policy} comes from `{self.primitive}` "
-      f"in {where} ({self.phase} pass, operation {self.index}): its {self.dtype} result "
+      f"in {where} ({self.phase} pass, operation {self.index}{_loop(self.iteration)}): its "
+      f"{self.dtype} result "
       f"overflows (largest finite {self.dtype_max:.6g}) where f32 computes it finite, up to "
       f"{self.shadow_max:.4g}.\nFix: autocast_rules={dict(self.rule)!r} {effect}."
     )
 
 
-@dataclasses.dataclass(frozen=True)
-class _Op:
-  """One operation of a replay: where, what, and how its result compares with f32."""
-
-  index: int
-  path: str
-  primitive: str
-  source: str | None  # the primitive that made its first input
-  dtype: str
-  inputs_finite: bool
-  finite: bool
-  shadow: tuple[np.ndarray, ...] | None  # the result in f32 from the same inputs
-  values: tuple[np.ndarray, ...]
-
-
-# Operations that only move or lay out a value: its maker is what made their input.
-_MOVES = frozenset(
-  "optimization_barrier reshape transpose copy copy_p squeeze expand_dims broadcast_in_dim".split()
-)
-
-
-def _floating(x: Any) -> bool:
-  """A concrete floating array (a JAX array, or a literal's numpy value)."""
+def _loop(iteration: tuple[int, ...]) -> str:
+  """``", loop iteration 2"`` (``", loop iterations (0, 2)"`` in nested loops), or nothing."""
+  if not iteration:
+    return ""
   return (
-    isinstance(x, jax.Array | np.ndarray | np.generic)
-    and not isinstance(x, jax.core.Tracer)
-    and jnp.issubdtype(x.dtype, jnp.floating)
+    f", loop iteration {iteration[0]}" if len(iteration) == 1 else f", loop iterations {iteration}"
   )
 
 
-def _f32_params(params: Mapping[str, Any]) -> dict[str, Any]:
-  """An equation's params with every half-precision result dtype made f32."""
-  out = dict(params)
-  for key in ("new_dtype", "preferred_element_type"):
-    dtype = out.get(key)
-    if dtype is not None and jnp.issubdtype(dtype, jnp.floating) and np.dtype(dtype).itemsize < 4:
-      out[key] = np.dtype(np.float32)
-  return out
+def _phase(path: str) -> str:
+  return "backward" if "transpose(" in path else "forward"
 
 
-def _in_f32(eqn: Any, invals: list[Any]) -> tuple[np.ndarray, ...] | None:
-  """The equation's floating results computed in f32 from its inputs (None: not recomputable)."""
-  if any(isinstance(v, jcore.ClosedJaxpr | jcore.Jaxpr) for v in eqn.params.values()):
-    return None  # a call, loop or branch: its body is typed for the dtypes it was traced with
-  ins = [x.astype(jnp.float32) if _floating(x) else x for x in invals]
-  try:
-    params = eqn.primitive.get_bind_params(_f32_params(eqn.params))
-    outs = eqn.primitive.bind(*ins, **params)
-  except (TypeError, ValueError):
-    return None
-  outs = outs if eqn.primitive.multiple_results else [outs]
-  return tuple(np.asarray(o, np.float32) for o in outs if _floating(o))
+@dataclasses.dataclass(frozen=True)
+class UncheckedOp:
+  """An operation (or a body of operations) :func:`find_nonfinite` could not check.
 
-
-def _replay(
-  fn: Callable[..., Any],
-  args: tuple,
-  kwargs: dict,
-  policy: Any,
-  rules: Any,
-  loss_scale: float | None,
-  shadow_all: bool,
-) -> tuple[list[_Op], Any]:
-  """Every operation of the program ``fn`` makes under ``policy``, run eagerly in order.
-
-  The program is ``autocast(fn)`` (without remat, so that each operation
-  runs here), or with ``loss_scale`` the gradient of its loss times the scale,
-  as :func:`mpjax.make_train_step` runs it. Each operation's result is checked;
-  its f32 shadow (the same operation on the same inputs in f32) is computed
-  for the first non-finite one, and for all with ``shadow_all``.
+  Attributes:
+    module: its module path (as in :class:`NonFiniteReport`); empty at the top level.
+    path: its full name-stack path.
+    primitive: the JAX primitive, e.g. ``"pure_callback"``, ``"shard_map"``, ``"while"``.
+    phase: ``"forward"`` or ``"backward"``.
+    iteration: the iteration of each loop around it, outermost first.
+    reason: what was not checked and why, e.g. ``"its body was not replayed"``.
+    nonfinite: whether its result is inf or NaN under the policy while its
+      inputs are finite (the first such operation of the replay, whose f32
+      result could not be computed: whether f32 overflows too is unknown).
+    rule: for a ``nonfinite`` one, the autocast ``rules`` that run its module
+      in f32 (worth a try); empty otherwise.
   """
-  program = autocast(fn, policy, rules=rules, remat=False)
-  if loss_scale is not None:
-    scaled = program
-    program = jax.value_and_grad(lambda *a, **k: scaled(*a, **k) * loss_scale)
-  leaves, treedef = jax.tree.flatten((args, kwargs))
-  dynamic = [i for i, x in enumerate(leaves) if is_array(x)]
-  arrays = [jnp.asarray(leaves[i]) for i in dynamic]
-  closed = jax.make_jaxpr(with_arrays(program, leaves, treedef, dynamic))(*arrays)
-  ops: list[_Op] = []
-  first_found = False
-  made_by: dict[Any, str] = {}
 
-  def probe(eqn: Any, path: str, invals: list[Any], outs: list[Any]) -> None:
-    nonlocal first_found
-    name = eqn.primitive.name
-    source = next((made_by.get(v) for v in eqn.invars if not isinstance(v, jcore.Literal)), None)
-    # What made a value, seen through the ops that only move it.
-    made_by.update({v: source if name in _MOVES and source else name for v in eqn.outvars})
-    values = tuple(np.asarray(o, np.float32) for o in outs if _floating(o))
-    if not values:
-      return
-    floats = [np.asarray(x, np.float32) for x in invals if _floating(x)]
-    inputs_finite = all(np.isfinite(x).all() for x in floats)
-    finite = all(np.isfinite(v).all() for v in values)
-    first = inputs_finite and not finite and not first_found
-    first_found = first_found or first
-    shadow = _in_f32(eqn, invals) if (shadow_all or first) else None
-    dtype = next(str(o.dtype) for o in outs if _floating(o))
-    ops.append(_Op(len(ops), path, name, source, dtype, inputs_finite, finite, shadow, values))
+  module: str
+  path: str
+  primitive: str
+  phase: str
+  iteration: tuple[int, ...]
+  reason: str
+  nonfinite: bool = False
+  rule: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
-  # The program runs as traced (an f32 policy changes no dtype), each operation on its own.
-  ctx = EvalContext(_F32_POLICY, parse_rules(None), "full", remat=False, probe=probe)
-  outs = eval_closed(ctx, closed, arrays, [INPUT] * len(arrays), "")
-  return ops, outs
+  def __str__(self) -> str:
+    where = f"module `{self.module}`" if self.module else "the top level"
+    what = f"`{self.primitive}` in {where} ({self.phase} pass{_loop(self.iteration)})"
+    if self.nonfinite:
+      return (
+        f"{what}: its result is not finite, and f32 cannot compute it from the same inputs "
+        f"({self.reason}); autocast_rules={dict(self.rule)!r} may help"
+      )
+    return f"{what}: {self.reason}"
+
+
+@dataclasses.dataclass(frozen=True)
+class UncheckedReport:
+  """:func:`find_nonfinite`'s answer when it could not check every operation.
+
+  No operation it checked overflows where f32 stays finite, but these it could
+  not check, so it cannot say that the program diverges in f32 too.
+
+  Attributes:
+    unchecked: what was not checked, in program order; a ``nonfinite`` one
+      (last) is the first operation whose result is inf or NaN.
+    policy: the policy it was replayed under.
+  """
+
+  unchecked: tuple[UncheckedOp, ...]
+  policy: str
+
+  def __str__(self) -> str:
+    nonfinite = any(u.nonfinite for u in self.unchecked)
+    found = (
+      "The first value that is not finite comes from an operation it could not check in f32"
+      if nonfinite
+      else "No operation that was checked overflows where f32 stays finite"
+    )
+    items = "\n".join(f"- {u}" for u in self.unchecked)
+    return (
+      f"Could not check every operation under {self.policy} against f32, so whether the run "
+      f"diverges in f32 too is unknown. {found}. Could not check:\n{items}"
+    )
 
 
 def _policy_name(policy: Any) -> str:
@@ -210,32 +206,68 @@ def _policy_name(policy: Any) -> str:
   return next((name for name, preset in PRESETS.items() if preset == policy), str(policy))
 
 
-def _report(op: _Op, policy: Any) -> NonFiniteReport | None:
+def _culprit(op: ReplayedOp) -> str:
+  """What a rule must name: a cast that overflows is fixed by the op that made its input."""
+  return op.source if op.primitive == "convert_element_type" and op.source else op.primitive
+
+
+def _report(op: ReplayedOp, policy: Any) -> NonFiniteReport | None:
   """The report of a first non-finite operation, if f32 computes it finite."""
   if op.shadow is None or not all(np.isfinite(v).all() for v in op.shadow):
     return None  # f32 overflows too, or the operation cannot be recomputed: not precision
-  module = module_of(op.path)
+  module = _module(op.path)
   dtype = np.dtype(op.dtype)
   # Outside any module a rule can only name a primitive; a cast that overflows is fixed
   # by the one that made its input (a GEMM accumulated in f32, then cast down).
-  culprit = op.source if op.primitive == "convert_element_type" and op.source else op.primitive
   return NonFiniteReport(
     module=module,
     path=op.path,
     primitive=op.primitive,
     dtype=dtype.name,
-    phase="backward" if "transpose(" in op.path else "forward",
+    phase=_phase(op.path),
     shadow_max=max(float(np.abs(v).max()) if v.size else 0.0 for v in op.shadow),
     dtype_max=float(jnp.finfo(dtype).max),
-    rule=rule_for(module, culprit),
+    rule=rule_for(module, _culprit(op)),
     index=op.index,
     policy=_policy_name(policy),
+    iteration=op.iteration,
   )
 
 
-def _first_report(ops: list[_Op], policy: Any) -> NonFiniteReport | None:
-  first = next((op for op in ops if op.inputs_finite and not op.finite), None)
+def _first_nonfinite(ops: list[ReplayedOp]) -> ReplayedOp | None:
+  return next((op for op in ops if op.inputs_finite and not op.finite), None)
+
+
+def _first_report(ops: list[ReplayedOp], policy: Any) -> NonFiniteReport | None:
+  first = _first_nonfinite(ops)
   return None if first is None else _report(first, policy)
+
+
+def _answer(replay: Replay, policy: Any) -> NonFiniteReport | UncheckedReport | None:
+  """The report of the first overflow, else what was not checked, else None."""
+  first = _first_nonfinite(replay.ops)
+  report = None if first is None else _report(first, policy)
+  if report is not None:
+    return report
+  unchecked = [
+    UncheckedOp(_module(path), path, primitive, _phase(path), iteration, why)
+    for path, primitive, iteration, why in replay.unchecked
+  ]
+  if first is not None and first.shadow is None:  # not finite, and f32 cannot say
+    module = _module(first.path)
+    unchecked.append(
+      UncheckedOp(
+        module,
+        first.path,
+        first.primitive,
+        _phase(first.path),
+        first.iteration,
+        first.why,
+        nonfinite=True,
+        rule=rule_for(module, _culprit(first)),
+      )
+    )
+  return UncheckedReport(tuple(unchecked), _policy_name(policy)) if unchecked else None
 
 
 def find_nonfinite(
@@ -244,21 +276,33 @@ def find_nonfinite(
   policy: Policy | str = "mixed_fp16",
   rules: Mapping[str, str] | None = None,
   loss_scale: float | None = None,
+  max_replayed: int = MAX_REPLAYED,
   **kwargs: Any,
-) -> NonFiniteReport | None:
-  """The first operation of ``fn`` that overflows under ``policy`` but not in f32, or ``None``.
+) -> NonFiniteReport | UncheckedReport | None:
+  """The first operation of ``fn`` that overflows under ``policy`` but not in f32.
 
   The program :func:`mpjax.autocast` makes of ``fn`` (with ``rules``) runs
   eagerly, operation by operation, and each result is checked; the first that
   is inf or NaN while its inputs are finite is computed again in f32 from the
-  same inputs (its *shadow*), and reported if that is finite. With
-  ``loss_scale``, ``fn`` is a loss and the program is its gradient with
-  respect to the first argument, of the loss times ``loss_scale``, exactly as
-  :func:`mpjax.make_train_step` differentiates it: the backward pass runs in
-  the dtypes it has there. Without, ``fn`` runs as given (pass
-  ``jax.value_and_grad`` of a loss to check an f32 program's gradient under
-  autocast). An overflow inside a ``scan``, ``while`` or ``cond`` body is not
-  pinpointed.
+  same inputs (its *shadow*), and reported if that is finite. Calls
+  (``jit``, ``remat``, ``custom_jvp``, ``custom_vjp``), the branch a ``cond``
+  takes, and each iteration of a ``scan`` or ``while`` loop run operation by
+  operation too, so an overflow in a scanned layer stack is found in the layer
+  it happens in (``report.iteration``); once ``max_replayed`` operations were
+  replayed, a loop's remaining iterations run compiled, unchecked.
+
+  With ``loss_scale``, ``fn`` is a loss and the program is its gradient with
+  respect to the first argument, of the loss times ``loss_scale``, as
+  :func:`mpjax.make_train_step` differentiates it on this backend: on a CPU
+  under remat (the forward pass rematerialised in the backward one) and with
+  JAX's default softmax, on a GPU without remat and with the custom-JVP
+  softmax (see :func:`mpjax.autocast`'s ``remat``). What differs from the
+  compiled step: each operation runs on its own, so an XLA fusion that keeps
+  an intermediate in f32 (``xla_allow_excess_precision``) is not reproduced,
+  and an FP8 policy's GEMMs run with current scaling (the step's delayed
+  scales are not passed in). Without ``loss_scale``, ``fn`` runs as given
+  (pass ``jax.value_and_grad`` of a loss to check an f32 program's gradient
+  under autocast).
 
   Args:
     fn: the function: a loss (with ``loss_scale``), or any function.
@@ -266,11 +310,19 @@ def find_nonfinite(
     policy: the mixed policy to check.
     rules: autocast rules already in use.
     loss_scale: check the train step's gradient at this loss scale.
+    max_replayed: how many operations to replay one by one (each takes about
+      as long as a small eager JAX call); the iterations of a loop reached
+      after that run compiled, and are reported as not checked.
     **kwargs: its keyword arguments.
 
   Returns:
-    A :class:`NonFiniteReport` (``print`` it), or ``None`` when nothing
-    overflows that f32 computes finite.
+    A :class:`NonFiniteReport` (``print`` it) for the first operation that
+    overflows where f32 stays finite; otherwise an :class:`UncheckedReport`
+    if it could not check something: a body it does not enter (a
+    ``shard_map``), a loop's iterations beyond the limit, or a first
+    non-finite operation that f32 cannot compute (a callback declared to
+    return float16); ``None`` only when every operation was checked and none
+    overflows where f32 stays finite.
 
   Example:
     >>> import jax, jax.numpy as jnp, mpjax
@@ -282,9 +334,31 @@ def find_nonfinite(
     >>> report = mpjax.find_nonfinite(loss, w, x, policy="mixed_fp16", loss_scale=2.0**15)
     >>> report.module, report.primitive, report.phase, report.rule["*blowup"]
     ('blowup', 'mul', 'forward', 'fp32')
+
+    In a scanned layer stack, the layer that overflows:
+
+    >>> def stack(ws, x):
+    ...   def layer(h, w):
+    ...     with jax.named_scope("layer"):
+    ...       return (h @ w) * 100.0, None
+    ...   return jnp.mean(jax.lax.scan(layer, x, ws)[0] * 1e-6)
+    >>> ws, x = jnp.stack([jnp.eye(4)] * 3), jnp.full((2, 4), 10.0)
+    >>> report = mpjax.find_nonfinite(stack, ws, x)
+    >>> report.module, report.primitive, report.iteration
+    ('layer', 'mul', (1,))
+
+    What it could not check is named, never taken for "f32 diverges too":
+
+    >>> import numpy as np
+    >>> def host(x):  # a host function that returns float16 inf: f32 cannot recompute it
+    ...   out = jax.ShapeDtypeStruct(x.shape, jnp.float16)
+    ...   return jax.pure_callback(lambda a: np.full(a.shape, np.inf, np.float16), out, x)
+    >>> report = mpjax.find_nonfinite(host, jnp.ones(2))
+    >>> type(report).__name__, report.unchecked[0].primitive, report.unchecked[0].nonfinite
+    ('UncheckedReport', 'pure_callback', True)
   """
-  ops, _ = _replay(fn, args, kwargs, policy, rules, loss_scale, shadow_all=False)
-  return _first_report(ops, policy)
+  replay, _ = replay_program(fn, args, kwargs, policy, rules, loss_scale, False, True, max_replayed)
+  return _answer(replay, policy)
 
 
 def _relative_error(low: Any, ref: Any) -> float:
@@ -303,11 +377,11 @@ def _relative_error(low: Any, ref: Any) -> float:
   return worst
 
 
-def _module_errors(ops: list[_Op]) -> dict[str, float]:
+def _module_errors(ops: list[ReplayedOp]) -> dict[str, float]:
   """Per module, the largest error its operations add: their result against their f32 shadow."""
   errors: dict[str, float] = {}
   for op in ops:
-    module = module_of(op.path)
+    module = _module(op.path)
     if not module or op.shadow is None or len(op.shadow) != len(op.values):
       continue
     error = _relative_error(op.values, op.shadow)
@@ -366,17 +440,17 @@ def suggest_rules(
   """
   if not tolerance > 0:
     raise ValueError(f"suggest_rules: tolerance={tolerance!r} must be positive, e.g. 1e-2.")
-  _, reference = _replay(fn, args, kwargs, _F32_POLICY, None, loss_scale, shadow_all=False)
+  _, reference = replay_program(fn, args, kwargs, _F32_POLICY, None, loss_scale, shadow_all=False)
   rules: dict[str, str] = {}
   modules = 0
   while modules < max_rules:
-    ops, outs = _replay(fn, args, kwargs, policy, rules, loss_scale, shadow_all=False)
-    report = _first_report(ops, policy)
+    replay, outs = replay_program(fn, args, kwargs, policy, rules, loss_scale, shadow_all=False)
+    report = _first_report(replay.ops, policy)
     if report is not None:
       new = dict(report.rule)
     elif _relative_error(outs, reference) > tolerance:
-      ops, _ = _replay(fn, args, kwargs, policy, rules, loss_scale, shadow_all=True)
-      errors = {m: e for m, e in _module_errors(ops).items() if f"*{m}" not in rules}
+      replay, _ = replay_program(fn, args, kwargs, policy, rules, loss_scale, shadow_all=True)
+      errors = {m: e for m, e in _module_errors(replay.ops).items() if f"*{m}" not in rules}
       if not errors:
         break
       new = rule_for(max(sorted(errors), key=lambda m: errors[m]), "")

@@ -653,3 +653,138 @@ def test_an_overflow_outside_any_module_gets_a_rule_that_fixes_it():
   assert "in no module" in str(report)
   assert mpjax.find_nonfinite(loss, w, x, loss_scale=LOSS_SCALE, rules=report.rule) is None
   assert mpjax.suggest_rules(loss, w, x, loss_scale=LOSS_SCALE) == report.rule
+
+
+# --- 6. Loops, branches and what cannot be checked -----------------------------------------------
+
+
+def _stack(kind, gain):
+  """A loss whose loop (or branch) body multiplies by ``gain`` each step: with 100, the values
+  go 10 -> 1e3 -> 1e5, out of fp16's range at the body's second step (index 1)."""
+
+  def block(h, w):
+    with jax.named_scope("block"):
+      return (h @ w) * gain
+
+  def loss(ws, x):
+    if kind == "scan":
+      h = jax.lax.scan(lambda h, w: (block(h, w), None), x, ws)[0]
+    elif kind == "while":  # a trip count read from the data: a while loop, not a scan
+      n = jnp.int32(ws.shape[0]) + (x[0, 0] < 0).astype(jnp.int32)
+      h = jax.lax.while_loop(
+        lambda c: c[0] < n, lambda c: (c[0] + 1, block(c[1], ws[c[0]])), (jnp.int32(0), x)
+      )[1]
+    else:
+      h = jax.lax.cond(x[0, 0] > 0, lambda h: block(block(h, ws[0]), ws[1]), lambda h: h, x)
+    return jnp.mean(h * 1e-6)
+
+  return loss
+
+
+@pytest.mark.parametrize(
+  "kind, loss_scale, iteration",
+  [("scan", LOSS_SCALE, (1,)), ("while", None, (1,)), ("cond", LOSS_SCALE, ())],
+)
+def test_an_overflow_inside_a_loop_or_branch_body_is_found_in_the_body(kind, loss_scale, iteration):
+  ws, x = jnp.stack([jnp.eye(4)] * 3), jnp.full((2, 4), 10.0)
+  loss = _stack(kind, 100.0)
+  # Premise: the compiled fp16 program overflows, f32 does not.
+  assert not np.isfinite(jax.jit(mpjax.autocast(loss, "mixed_fp16"))(ws, x))
+  assert np.isfinite(jax.jit(loss)(ws, x))
+
+  report = mpjax.find_nonfinite(loss, ws, x, loss_scale=loss_scale)
+  assert isinstance(report, mpjax.NonFiniteReport), report
+  assert (report.module, report.primitive, report.phase) == ("block", "mul", "forward")
+  assert report.iteration == iteration
+  assert report.shadow_max == pytest.approx(1e5, rel=1e-3)
+  assert ("loop iteration" in str(report)) == bool(iteration)
+  assert all(f"loop iteration {i}" in str(report) for i in iteration)
+  # Its rule fixes it, and then every operation, the body's included, is checked: None.
+  assert mpjax.find_nonfinite(loss, ws, x, loss_scale=loss_scale, rules=report.rule) is None
+  # A clean body (10 -> 100 -> 1000) gives None too.
+  assert mpjax.find_nonfinite(_stack(kind, 10.0), ws, x, loss_scale=loss_scale) is None
+
+
+def test_a_backward_overflow_inside_a_scan_is_found_in_its_layer():
+  """The cotangent times a soft cap overflows in the backward pass of the last scanned layer,
+  the first the backward pass reaches."""
+  ws, x = jnp.stack([jnp.eye(4) * 0.5] * 3), jnp.full((2, 4), 1.0)
+
+  def loss(ws, x):
+    def layer(h, w):
+      with jax.named_scope("layer"):
+        return 50.0 * jnp.tanh((h @ w) / 50.0), None
+
+    return jnp.mean(jax.lax.scan(layer, x, ws)[0])
+
+  assert mpjax.find_nonfinite(loss, ws, x) is None  # the forward pass is clean
+  report = mpjax.find_nonfinite(loss, ws, x, loss_scale=LOSS_SCALE)
+  assert isinstance(report, mpjax.NonFiniteReport), report
+  assert (report.module, report.phase, report.iteration) == ("layer", "backward", (2,))
+  assert mpjax.find_nonfinite(loss, ws, x, loss_scale=LOSS_SCALE, rules=report.rule) is None
+
+
+def _host_fp16(x):
+  """A host function declared to return float16: f32 cannot compute it; 1e5 overflows."""
+
+  def times_1e5(a):
+    with np.errstate(over="ignore"):
+      return (np.asarray(a) * 1e5).astype(np.float16)
+
+  return jax.pure_callback(times_1e5, jax.ShapeDtypeStruct(x.shape, jnp.float16), x)
+
+
+def _sharded(x):
+  """A clean function whose body runs in a shard_map, which the replay does not enter."""
+  mesh = jax.make_mesh((1,), ("data",))
+  spec = jax.sharding.PartitionSpec()
+  return jax.shard_map(lambda a: a * 2.0, mesh=mesh, in_specs=spec, out_specs=spec)(x)
+
+
+def _long_loop(x):
+  """A clean while loop of 40 iterations (beyond the replay limit of 100 operations below)."""
+  return jax.lax.fori_loop(0, 40 + (x[0] < 0).astype(jnp.int32), lambda i, h: h * 1.01, x)
+
+
+@pytest.mark.parametrize(
+  "fn, primitive, nonfinite, reason",
+  [
+    (_host_fp16, "pure_callback", True, "stays float16"),
+    (_sharded, "shard_map", False, "body was not replayed"),
+    (_long_loop, "while", False, "ran compiled"),
+  ],
+)
+def test_what_cannot_be_checked_is_named_not_taken_for_none(fn, primitive, nonfinite, reason):
+  x = jnp.ones(4)
+  assert np.isfinite(jax.jit(fn)(x)).all() != nonfinite  # premise
+  report = mpjax.find_nonfinite(fn, x, max_replayed=100)
+  assert isinstance(report, mpjax.UncheckedReport), report
+  assert [(u.primitive, u.nonfinite) for u in report.unchecked] == [(primitive, nonfinite)]
+  assert reason in report.unchecked[0].reason
+  text = str(report)
+  assert "Could not check" in text and f"`{primitive}`" in text and reason in text
+  assert "f32 too is unknown" in text
+
+
+def test_a_stopped_run_says_what_it_could_not_check(tmp_path):
+  """The message of a run the guard stops: not "diverges in f32 too" when it could not check."""
+  from types import SimpleNamespace
+
+  from mpjax.experiment.loop import _diverged_message
+
+  x = jnp.ones(4)
+  exp = SimpleNamespace(
+    policy=mpjax.get_policy("mixed_fp16"),
+    rules=None,
+    config=SimpleNamespace(name="host_demo"),
+    diagnosis=lambda state, batch: {
+      "fn": _host_fp16,
+      "args": (x,),
+      "policy": "mixed_fp16",
+      "loss_scale": None,
+    },
+  )
+  message = _diverged_message(exp, None, None, 7, "the loss is not finite", tmp_path)
+  assert "Could not check" in message and "`pure_callback`" in message, message
+  assert "diverges in f32 too;" not in message
+  assert "mpjax diagnose host_demo --step 7" in message

@@ -35,7 +35,8 @@ def diagnose(
     run_dir: the run's directory (default: ``runs/<config name>``).
 
   Returns:
-    ``{"report": NonFiniteReport or None, "rules": dict, "from_step": int,
+    ``{"report": NonFiniteReport, UncheckedReport (what could not be checked) or
+    None, "rules": dict, "from_step": int,
     "text": what ``mpjax diagnose`` prints}``.
 
   Raises:

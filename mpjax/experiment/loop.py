@@ -26,7 +26,7 @@ import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from mpjax.diagnose import find_nonfinite, suggest_rules
+from mpjax.diagnose import NonFiniteReport, find_nonfinite, suggest_rules
 from mpjax.experiment.config import ConfigError, Experiment
 from mpjax.experiment.metrics import MetricsWriter, read_metrics
 from mpjax.experiment.run_dir import (
@@ -359,8 +359,10 @@ def _diverged_message(
     report = find_nonfinite(
       d["fn"], *d["args"], policy=d["policy"], rules=exp.rules or None, loss_scale=d["loss_scale"]
     )
-  if report is not None:
+  if isinstance(report, NonFiniteReport):
     cause = f'{report}\nPut it in the config: --config.autocast_rules="{dict(report.rule)!r}".'
+  elif report is not None:  # an UncheckedReport: it names what it could not check
+    cause = str(report)
   else:
     cause = (
       "No operation overflows in the policy's precision where f32 stays finite: the run "
