@@ -1,5 +1,9 @@
 """bf16 params and optimizer state: stochastic rounding, Kahan summation, the bf16_sr preset."""
 
+import os
+import subprocess
+import sys
+
 import chex
 import flax.linen as nn
 import jax
@@ -203,3 +207,102 @@ def test_any_optax_optimizer_trains_with_bf16_state_under_jit(tx, policy):
       chex.assert_type(leaf, F32)
   assert (state.opt_state.compensation is None) == (policy == "bf16_sr")
   assert int(state.opt_state.count) == 20
+
+
+def test_a_checkpoint_keeps_the_key_and_the_restored_run_rounds_on_exactly(tmp_path):
+  ocp = pytest.importorskip("orbax.checkpoint")
+  batches = [_batch(seed=i) for i in range(4)]
+  uninterrupted, _ = _run(_state(rounding_key=3), batches, STEP)
+  half, _ = _run(_state(rounding_key=3), batches[:2], STEP)
+  with ocp.CheckpointManager(tmp_path / "ckpt") as manager:
+    manager.save(2, args=ocp.args.StandardSave(half))
+    manager.wait_until_finished()
+  # The restore target: a fresh state (another key: the checkpoint's must win).
+  target = jax.tree.map(ocp.utils.to_shape_dtype_struct, _state(rounding_key=0))
+  with ocp.CheckpointManager(tmp_path / "ckpt") as manager:
+    restored = manager.restore(2, args=ocp.args.StandardRestore(target))
+  chex.assert_trees_all_equal(_host(restored.opt_state.key), _host(half.opt_state.key))
+  resumed, _ = _run(restored, batches[2:], STEP)
+  chex.assert_trees_all_equal(_host(resumed.params), _host(uninterrupted.params))
+  chex.assert_trees_all_equal(_host(resumed.opt_state), _host(uninterrupted.opt_state))
+
+
+def test_experiment_resumed_from_a_checkpoint_ends_where_an_unbroken_run_ends(tmp_path):
+  ex = pytest.importorskip("mpjax.experiment")
+  ocp = pytest.importorskip("orbax.checkpoint")
+  overrides = ["policy=bf16_sr", "steps=40", "checkpoint_every=20", "log_every=10"]
+  config = ex.load_config("digits_mlp", overrides)
+  run = tmp_path / "run"
+  full = ex.train(config, run_dir=run)
+  exp = ex.Experiment(config)
+
+  def restore():
+    target = jax.tree.map(ocp.utils.to_shape_dtype_struct, exp.init_state())
+    with ocp.CheckpointManager(run / "checkpoints") as manager:
+      return manager.latest_step(), manager.restore(
+        manager.latest_step(), args=ocp.args.StandardRestore(target)
+      )
+
+  step, a = restore()
+  assert step == 40 and isinstance(a.opt_state, mpjax.RoundingState)
+  # As if killed after the checkpoint of step 20: the same command resumes from it.
+  for path in (run / "checkpoints" / "40", run / "summary.json"):
+    subprocess.run(["rm", "-rf", str(path)], check=True)
+  resumed = ex.train(config, run_dir=run)
+  assert resumed["steps"] == 40
+  step, b = restore()
+  chex.assert_trees_all_equal(_host(a.params), _host(b.params))
+  chex.assert_trees_all_equal(_host(a.opt_state), _host(b.opt_state))
+  assert full["test_loss"] == resumed["test_loss"]
+
+
+_EIGHT_DEVICES = """
+import jax, jax.numpy as jnp, numpy as np, optax, mpjax
+from jax.sharding import NamedSharding, PartitionSpec as P
+import flax.linen as nn
+assert jax.device_count() == 8
+mesh = jax.make_mesh((8,), ("data",))
+model = nn.Sequential([nn.Dense(64), nn.gelu, nn.Dense(4)])
+def loss_fn(params, batch):
+  logits = model.apply(params, batch["x"]).astype(jnp.float32)
+  return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+def batch(i):
+  kx, ky = jax.random.split(jax.random.key(i))
+  b = {"x": jax.random.normal(kx, (64, 16)), "y": jax.random.randint(ky, (64,), 0, 4)}
+  return jax.device_put(b, NamedSharding(mesh, P("data")))
+params = model.init(jax.random.key(1), jnp.ones((1, 16)))
+def replicated_copies_agree(state):
+  for leaf in jax.tree.leaves((state.params, state.opt_state)):
+    shards = [np.asarray(s.data) for s in leaf.addressable_shards]
+    assert len(shards) == 8 and all(np.array_equal(shards[0], s) for s in shards), leaf
+for policy in ("bf16_sr", "bf16_kahan"):
+  state = mpjax.TrainState.create(apply_fn=model.apply, params=params, tx=optax.adamw(1e-2),
+                                  policy=policy)
+  host = jax.device_get(state)
+  state = jax.device_put(state, NamedSharding(mesh, P()))
+  # jit with shardings: the batch split over 8 devices, the state replicated.
+  step = jax.jit(mpjax.make_train_step(loss_fn), donate_argnums=0)
+  jitted = state
+  for i in range(5):
+    jitted, _ = step(jitted, batch(i))
+  replicated_copies_agree(jitted)
+  # shard_map: each device its own copy, gradients averaged over "data"; out_specs P()
+  # makes JAX check that every device's new state is the same value.
+  sm = jax.jit(jax.shard_map(mpjax.make_train_step(loss_fn, axis_name="data"), mesh=mesh,
+                             in_specs=(P(), P("data")), out_specs=(P(), P())))
+  mapped = jax.device_put(host, NamedSharding(mesh, P()))
+  for i in range(5):
+    mapped, _ = sm(mapped, batch(i))
+  replicated_copies_agree(mapped)
+  assert int(mapped.opt_state.count) == 5
+print("ok")
+"""
+
+
+def test_data_parallel_replicas_round_identically_over_eight_host_devices():
+  env = {k: v for k, v in os.environ.items() if k != "MPJAX_POLICY"}
+  env.update(XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+  proc = subprocess.run(
+    [sys.executable, "-c", _EIGHT_DEVICES], env=env, capture_output=True, text=True, timeout=300
+  )
+  assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-4000:]
