@@ -5,19 +5,29 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+from collections.abc import Callable
 from typing import Any
 
 import jax
+from jax import lax
 
 
 def lowering_platform(*trees: Any) -> str:
-  """``"cpu"``, ``"gpu"`` or ``"tpu"``: the backend the arrays in ``trees`` are traced for.
+  """``"cpu"``, ``"gpu"`` or ``"tpu"``: the backend the arrays in ``trees`` are placed on.
 
-  An argument placed on devices of a kind (``jax.jit(f).lower`` with a
-  ``NamedSharding``, as :func:`mpjax.compile_for` does for a GPU on a CPU-only
-  machine) carries its platform in its abstract value; otherwise it is JAX's
-  default backend. Read at trace time, so a program compiled for a GPU and one
-  for the CPU are different traces (their arguments' shardings differ).
+  Read at trace time, from where the computation is placed, first to last:
+
+  - an argument placed on devices of a kind in its abstract value
+    (``jax.jit(f).lower`` with a ``NamedSharding``, as :func:`mpjax.compile_for`
+    does for a GPU on a CPU-only machine);
+  - a concrete array's devices (outside ``jit``: the devices it is committed to);
+  - the default device in effect (``jax.default_device(jax.devices("cpu")[0])``,
+    part of ``jit``'s cache key, so a CPU and a GPU trace are different traces);
+  - JAX's default backend.
+
+  Inside ``jit`` an argument committed to a device (``jax.device_put(x, cpu)``)
+  is a tracer that does not say where it is; code whose choice must follow that
+  placement too uses :func:`by_platform`, which XLA resolves when it lowers.
   """
   for leaf in jax.tree.leaves(trees):
     try:
@@ -27,8 +37,35 @@ def lowering_platform(*trees: Any) -> str:
     device = getattr(mesh, "abstract_device", None)
     platform = getattr(device, "platform", None)
     if platform:
-      return str(platform)
+      return _kind(str(platform))
+  for leaf in jax.tree.leaves(trees):
+    if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer):
+      try:
+        return _kind(next(iter(leaf.devices())).platform)
+      except (RuntimeError, StopIteration):  # deleted (donated), or no device
+        continue
+  default = jax.config.jax_default_device
+  if default is not None:
+    return _kind(default if isinstance(default, str) else default.platform)
   return jax.default_backend()
+
+
+def _kind(platform: str) -> str:
+  """A platform as ``jax.default_backend()`` names it: CUDA and ROCm are ``"gpu"``."""
+  platform = platform.lower()
+  return "gpu" if platform in ("cuda", "rocm", "gpu") else platform
+
+
+def by_platform(*args: Any, cpu: Callable[..., Any], other: Callable[..., Any]) -> Any:
+  """``cpu(*args)`` in a program lowered for a CPU, ``other(*args)`` in any other.
+
+  XLA picks the branch when it lowers the program (``jax.lax.platform_dependent``),
+  so the choice follows where the computation really runs: a ``jit`` on arguments
+  committed to the CPU of a GPU machine, or :func:`mpjax.compile_for` a GPU on a
+  CPU-only one. Only the chosen branch is compiled. Both must return values of
+  the same types; outside ``jit`` the branch of the default backend runs.
+  """
+  return lax.platform_dependent(*args, cpu=cpu, default=other)
 
 
 _EXTENSION_PACKAGES = ("jax_cuda13_plugin", "jax_cuda12_plugin", "jaxlib.cuda")

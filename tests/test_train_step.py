@@ -198,7 +198,7 @@ def test_policy_change_recompiles_with_new_dtypes():
 @pytest.mark.parametrize("program", ["cpu", "gpu"])
 def test_inf_in_one_batch_skips_the_step_bit_identically(program, monkeypatch):
   if program == "gpu":  # the step XLA:GPU gets (fused norm, selected update), run here
-    monkeypatch.setattr("mpjax.train_step.lowering_platform", lambda *trees: "gpu")
+    monkeypatch.setattr("mpjax.train_step.by_platform", lambda *args, cpu, other: other(*args))
   batch = _batch()
   state = _state("mixed_fp16", optax.adam(1e-2))
   step = jax.jit(mpjax.make_train_step(loss_fn), donate_argnums=0)
@@ -293,20 +293,20 @@ def test_aux_and_clipping():
 
 @pytest.mark.parametrize("leaves", [0, 3, 150])  # 150: three fused groups of at most 64
 def test_the_gpu_gradient_norm_is_the_global_norm_and_sees_every_non_finite_leaf(leaves):
-  from mpjax.train_step import _grad_norm
+  from mpjax.train_step import _fused_norm
 
   keys = jax.random.split(jax.random.key(0), max(leaves, 1))
   # Sizes around the norm's 1024-wide rows: one short of, equal to and past a row.
   grads = {f"g{i}": jax.random.normal(keys[i], (1023 + i % 3, 1 + i % 2)) for i in range(leaves)}
-  gpu_norm = jax.jit(_grad_norm, static_argnums=1)
+  gpu_norm = jax.jit(_fused_norm)
   want = np.sqrt(sum(np.sum(np.asarray(g, np.float64) ** 2) for g in grads.values()))
-  np.testing.assert_allclose(gpu_norm(grads, "gpu"), want, rtol=1e-5)
-  np.testing.assert_allclose(gpu_norm(grads, "gpu"), optax.tree.norm(grads), rtol=1e-5)
+  np.testing.assert_allclose(gpu_norm(grads), want, rtol=1e-5)
+  np.testing.assert_allclose(gpu_norm(grads), optax.tree.norm(grads), rtol=1e-5)
   if leaves:  # a non-finite value in the last group's last leaf reaches the norm
     last = f"g{leaves - 1}"
     for bad in (jnp.inf, jnp.nan):
       poisoned = {**grads, last: grads[last].at[-1, -1].set(bad)}
-      assert not np.isfinite(gpu_norm(poisoned, "gpu"))
+      assert not np.isfinite(gpu_norm(poisoned))
 
 
 def test_step_runs_eagerly_and_keeps_callers_params_under_donation():
