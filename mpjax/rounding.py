@@ -39,6 +39,7 @@ __all__ = [
   "stochastic_round",
   "kahan_add",
   "uses_rounded_storage",
+  "random_bits",
   "init_opt_state",
   "rounded_update",
   "state_bytes",
@@ -160,6 +161,58 @@ def kahan_add(
   return new_value, new_compensation
 
 
+def _fmix32(h: jax.Array) -> jax.Array:
+  """MurmurHash3's 32-bit finaliser: a bijection of uint32 in which every input bit
+  flips each output bit with probability about 1/2."""
+  h = h ^ (h >> 16)
+  h = h * jnp.uint32(0x85EBCA6B)
+  h = h ^ (h >> 13)
+  h = h * jnp.uint32(0xC2B2AE35)
+  return h ^ (h >> 16)
+
+
+def random_bits(key: jax.Array, count: jax.Array, stream: int, shape: tuple[int, ...]) -> jax.Array:
+  """Uniform ``uint32`` bits of ``shape``, a pure function of ``(key, count, stream, index)``.
+
+  A counter-based hash: the key data and the update count make a seed per
+  step, the stream (one per leaf written) a seed per leaf, and each element's
+  flat index is hashed with them. It is integer arithmetic on an iota, so XLA
+  fuses it into the kernel that writes the rounded values: no random-number
+  kernel, no extra pass, and no per-leaf key derivation kernels
+  (``jax.random.fold_in`` per leaf costs a small kernel each on a GPU). The
+  bits of an element depend on its global index only, so a sharded leaf
+  draws the same bits as an unsharded one.
+
+  Args:
+    key: ``uint32[2]`` key data (:attr:`RoundingState.key`).
+    count: the update count (int32).
+    stream: which value is written (a leaf's index).
+    shape: the shape of the bits.
+
+  Returns:
+    ``uint32`` bits of ``shape``.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, mpjax
+    >>> key = jax.random.key_data(jax.random.key(0))
+    >>> bits = mpjax.rounding.random_bits(key, jnp.int32(0), 0, (100_000,))
+    >>> 0.49 < float(jnp.mean((bits >> 31).astype(jnp.float32))) < 0.51
+    True
+  """
+  u32 = jnp.uint32
+  key = key.astype(u32)
+  step = _fmix32(key[1] + count.astype(u32) * u32(0x9E3779B9))
+  leaf = u32((stream * 0x7F4A7C15 + 0x632BE5AB) & 0xFFFFFFFF)
+  seed0 = _fmix32(step ^ key[0] ^ leaf)
+  seed1 = _fmix32(seed0 + leaf + u32(0x2545F491))
+  index = jnp.zeros(shape, u32)
+  stride = 1
+  for axis in reversed(range(len(shape))):
+    index = index + lax.broadcasted_iota(u32, shape, axis) * u32(stride & 0xFFFFFFFF)
+    stride *= shape[axis]
+  return _fmix32(_fmix32(index ^ seed0) + seed1)
+
+
 def _stored(x: Any, dtype: Any) -> Any:
   """A floating leaf of rank >= 1 in ``dtype``; scalars (counts, hyperparameters) and
   non-floating leaves as they are."""
@@ -233,13 +286,13 @@ def _widened(x: Any) -> Any:
   return x.astype(jnp.float32) if is_floating(x) and jnp.finfo(x.dtype).bits < 32 else x
 
 
-def _write(new: Any, old: Any, rounding: str, key: jax.Array, index: int) -> Any:
+def _write(new: Any, old: Any, rounding: str, state: RoundingState, stream: int) -> Any:
   """``new`` (f32) written to ``old``'s dtype: stochastically for bf16 unless nearest."""
   if not is_floating(old) or new is None:
     return new
   if rounding == "nearest" or np.dtype(old.dtype) != _BF16:
     return new.astype(old.dtype)
-  bits = jax.random.bits(jax.random.fold_in(key, index), jnp.shape(new), jnp.uint32)
+  bits = random_bits(state.key, state.count, stream, jnp.shape(new))
   return stochastic_round(new, bits, old.dtype)
 
 
@@ -286,7 +339,6 @@ def rounded_update(
       f"mpjax.RoundingState (from TrainState.create / mpjax.init_opt_state), got "
       f"{type(opt_state).__name__}."
     )
-  key = jax.random.fold_in(jax.random.wrap_key_data(opt_state.key), opt_state.count)
   params32 = jax.tree.map(_widened, params)
   inner32 = jax.tree.map(_widened, opt_state.inner)
   updates, new_inner = tx.update(jax.tree.map(_widened, grads), inner32, params32)
@@ -294,7 +346,7 @@ def rounded_update(
   leaves, treedef = jax.tree.flatten(opt_state.inner)
   new_leaves = treedef.flatten_up_to(new_inner)
   new_inner = treedef.unflatten(
-    _write(n, o, opt_rounding, key, _OPT_STREAM + i)
+    _write(n, o, opt_rounding, opt_state, _OPT_STREAM + i)
     for i, (n, o) in enumerate(zip(new_leaves, leaves, strict=True))
   )
   p_leaves, p_treedef = jax.tree.flatten(params)
@@ -310,7 +362,7 @@ def rounded_update(
     compensation = p_treedef.unflatten(c for _, c in pairs)
   else:
     new_params = p_treedef.unflatten(
-      _write(_widened(p) + u, p, policy.rounding, key, i) if is_floating(p) else p
+      _write(_widened(p) + u, p, policy.rounding, opt_state, i) if is_floating(p) else p
       for i, (p, u) in enumerate(zip(p_leaves, u_leaves, strict=True))
     )
   return new_params, RoundingState(new_inner, opt_state.key, opt_state.count + 1, compensation)
