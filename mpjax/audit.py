@@ -188,6 +188,9 @@ def _flags(row: GemmRow, platform: str) -> tuple[Flag, ...]:
         "themselves, with the scales applied to its output.",
       )
     )
+  lost = _half_lost(row, platform)
+  if lost is not None:
+    flags.append(lost)
   if row.accumulation not in (None, "unknown", "f32", "f64"):
     flags.append(
       Flag(
@@ -203,6 +206,38 @@ def _flags(row: GemmRow, platform: str) -> tuple[Flag, ...]:
       )
     )
   return tuple(flags)
+
+
+def _half_lost(row: GemmRow, platform: str) -> Flag | None:
+  """``half-lost``: a GEMM planned with f16/bf16 operands that compiled with wider ones.
+
+  Read from the compiled GEMM matched to ``row``, where one was (FP8 has its
+  own flag, ``fp8-lost``). Not on a CPU, where XLA:CPU widens half GEMMs of
+  its own (a half result, flagged ``half-result-on-cpu``; f16 GEMMs, bf16
+  convolutions) and the audit judges the planned dtypes.
+  """
+  planned = {np.dtype(row.lhs_dtype), np.dtype(row.rhs_dtype)}
+  if platform == "cpu" or row.compiled_dtypes is None or not all(map(is_half, planned)):
+    return None
+  if any(map(is_fp8, planned)):
+    return None
+  multiplied = row.compiled_dtypes.split(" ->")[0]
+  if not any(re.fullmatch(r"f(32|64)", d) for d in multiplied.split(" x ")):
+    return None
+  half = " x ".join(sorted({short_dtype(d) for d in planned}))
+  if row.op == "conv_general_dilated" and np.dtype(row.out_dtype).itemsize > 2:
+    why = (
+      f"XLA:GPU gives cuDNN a convolution's operands in its result dtype, here "
+      f"{short_dtype(row.out_dtype)}: let the convolution write {half} and widen its result "
+      "after (mpjax.autocast's bf16 convolutions do on a GPU)"
+    )
+  else:
+    why = "XLA widened the operands before the call"
+  return Flag(
+    "half-lost",
+    f"planned in {half}, compiled as {multiplied} ({row.call}): the GEMM runs at the "
+    f"{max(multiplied.split(' x '))} rate, not the {half} one; {why}.",
+  )
 
 
 def _compiled_fp8(row: GemmRow) -> bool:
@@ -281,6 +316,11 @@ class AuditReport:
     )
 
   @property
+  def half_lost(self) -> tuple[GemmRow, ...]:
+    """GEMMs planned with f16/bf16 operands that compiled with f32 (or f64) ones: ``half-lost``."""
+    return tuple(r for r in self.rows if any(f.code == "half-lost" for f in r.flags))
+
+  @property
   def flagged(self) -> tuple[GemmRow, ...]:
     """The rows with at least one flag."""
     return tuple(r for r in self.rows if r.flags)
@@ -295,6 +335,8 @@ class AuditReport:
       "fast_path_share": self.fast_path_share,
       "accumulation_unknown": len(self.accumulation_unknown),
       "accumulation_unknown_flops": sum(r.flops for r in self.accumulation_unknown),
+      "half_lost": len(self.half_lost),
+      "half_lost_flops": sum(r.flops for r in self.half_lost),
       "rows": [r.to_dict() for r in self.rows],
       "compiled_only": [g.to_dict() for g in self.compiled_only],
     }
@@ -349,6 +391,14 @@ class AuditReport:
           else "."
         ),
       ]
+    lost = self.half_lost
+    if lost:
+      lines += [
+        "",
+        f"Half precision lost: {len(lost)} GEMMs planned with f16/bf16 operands compiled with "
+        f"wider ones ({sum(r.flops for r in lost) / 1e9:.4g} GFLOP, `half-lost`): not counted on "
+        "the fast path.",
+      ]
     unknown = self.accumulation_unknown
     if unknown:
       said = sum(r.accumulation == "unknown" for r in unknown)
@@ -367,6 +417,7 @@ class AuditReport:
       f"{len(self.rows)} GEMMs (half-precision operands, f32 accumulation, aligned"
       + (", on Tensor Cores" if with_call else "")
       + f"); {len(self.flagged)} flagged"
+      + (f", {len(lost)} compiled wider than planned" if lost else "")
       + (f", {len(unknown)} of unknown accumulation." if unknown else "."),
     ]
     return "\n".join(lines)

@@ -304,19 +304,39 @@ mixed_dot.defvjp(_mixed_dot_fwd, _mixed_dot_bwd)
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
 def mixed_conv(lhs, rhs, params, compute_dtype):
-  """``conv_general_dilated`` with compute-dtype operands and f32 accumulation, both ways.
+  """``conv_general_dilated`` with compute-dtype operands, both ways.
 
   ``params`` is the sorted ``(name, value)`` tuple of the convolution's other
   parameters (strides, padding, dilations, dimension numbers, group counts).
+  Lowered for the backend it is traced for (``lowering_platform``): on a GPU
+  the convolution writes the compute dtype (:func:`_conv_written`), elsewhere
+  it accumulates into an f32 result, rounded to the compute dtype after.
   """
+  platform = lowering_platform(lhs, rhs)
   out = lax.conv_general_dilated_p.bind(
     lhs.astype(compute_dtype),
     rhs.astype(compute_dtype),
     **dict(params),
     precision=None,
-    preferred_element_type=jnp.float32,
+    preferred_element_type=_conv_written(compute_dtype, compute_dtype, platform),
   )
   return out.astype(compute_dtype)
+
+
+def _conv_written(compute_dtype, dtype, platform):
+  """The result dtype of a compute-dtype convolution whose result becomes ``dtype``.
+
+  XLA:GPU gives cuDNN a convolution's operands in its result dtype: a bf16 x bf16
+  -> f32 convolution compiles as an f32 x f32 cuDNN call (converts, then the
+  f32 rate), whatever the channel counts. So on a GPU a bf16 convolution writes
+  bf16, as a bf16 GEMM does (:func:`backward_gemms`; an f32 master's gradient is
+  that result widened), and an fp16 one the dtype its result becomes (f32 for an
+  f32 master's gradient, whose range fp16 can exceed: compiled f32 x f32, which
+  the audit flags). Elsewhere it writes f32.
+  """
+  if platform != "gpu":
+    return jnp.float32
+  return compute_dtype if np.dtype(compute_dtype) == np.dtype(jnp.bfloat16) else dtype
 
 
 def _mixed_conv_fwd(lhs, rhs, params, compute_dtype):
@@ -325,13 +345,26 @@ def _mixed_conv_fwd(lhs, rhs, params, compute_dtype):
 
 def _mixed_conv_bwd(params, compute_dtype, residuals, g):
   # JAX's own transpose rules, given a compute-dtype cotangent: each casts the
-  # other operand to it, accumulates in f32 and returns the operand's own dtype.
+  # other operand to it and returns the operand's own dtype.
   lhs, rhs = residuals
+  platform = lowering_platform(lhs, rhs)
   g = g.astype(compute_dtype)
-  kw = dict(params, precision=None, preferred_element_type=jnp.float32)
-  d_lhs = conv_general_dilated_transpose_lhs(g, lhs, rhs.astype(compute_dtype), **kw)
-  d_rhs = conv_general_dilated_transpose_rhs(g, lhs.astype(compute_dtype), rhs, **kw)
-  return d_lhs, d_rhs
+  kw = dict(params, precision=None)
+  d_lhs = conv_general_dilated_transpose_lhs(
+    g,
+    lhs,
+    rhs.astype(compute_dtype),
+    preferred_element_type=_conv_written(compute_dtype, lhs.dtype, platform),
+    **kw,
+  )
+  d_rhs = conv_general_dilated_transpose_rhs(
+    g,
+    lhs.astype(compute_dtype),
+    rhs,
+    preferred_element_type=_conv_written(compute_dtype, rhs.dtype, platform),
+    **kw,
+  )
+  return d_lhs.astype(lhs.dtype), d_rhs.astype(rhs.dtype)
 
 
 mixed_conv.defvjp(_mixed_conv_fwd, _mixed_conv_bwd)

@@ -397,6 +397,35 @@ def test_parse_compiled_gemms_on_cpu_compiled_text():
   assert gemm.op == "dot" and dict(gemm.dims) == {"batch": 1, "M": 16, "N": 16, "K": 32}
 
 
+def test_half_gemms_that_xla_cpu_widens_are_not_flagged_half_lost_on_cpu():
+  """XLA:CPU widens some half GEMMs as documented; on a CPU the audit judges the planned dtypes."""
+  a, b = jnp.ones((64, 256), jnp.bfloat16), jnp.ones((256, 128), jnp.bfloat16)
+  images, kernel = jnp.ones((8, 8, 8, 32), jnp.bfloat16), jnp.ones((3, 3, 32, 64), jnp.bfloat16)
+
+  def f(a, b, images, kernel):
+    dims = ("NHWC", "HWIO", "NHWC")
+    conv = lax.conv_general_dilated(
+      images, kernel, (1, 1), "SAME", dimension_numbers=dims, preferred_element_type=jnp.float32
+    )
+    c, d = a[:32, :128].astype(jnp.float16), b[:128, :64].astype(jnp.float16)
+    return a @ b, conv, lax.dot(c, d, preferred_element_type=jnp.float32)
+
+  args = (a, b, images, kernel)
+  hlo = jax.jit(f).lower(*args).compile().as_text()  # the CPU's compiled program
+  report = audit_jaxpr(jax.make_jaxpr(f)(*args), platform="cpu", hlo_text=hlo)
+  conv, half_result, f16 = report.rows
+  # The premise: XLA:CPU multiplies the bf16 convolution and the f16 GEMM in f32 (and the
+  # half-result GEMM too, up to jax 0.10: its flag's reason).
+  assert conv.compiled_dtypes == f16.compiled_dtypes == "f32 x f32 -> f32"
+  codes = [[x.code for x in r.flags if x.code != "not-tensor-core"] for r in report.rows]
+  # A half result: flagged as before (its widening is that flag's reason), and only so.
+  assert codes == [[], ["half-result-on-cpu"], []]
+  assert report.half_lost == () and report.to_dict()["half_lost"] == 0
+  assert "Half precision lost" not in str(report)
+  # audit on a CPU reads no compiled program: the same flags, the call's aside.
+  assert [[x.code for x in r.flags] for r in audit(f, *args).rows] == codes
+
+
 def test_audit_with_gpu_hlo_matches_calls_and_flags():
   x = jnp.ones((256, 512), jnp.bfloat16)
   w = jnp.ones((512, 1024), jnp.bfloat16)

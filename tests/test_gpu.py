@@ -765,3 +765,61 @@ def test_the_kernel_report_counts_convolution_flops_whatever_the_filter_layout(c
   grads = mpjax.kernel_report(jax.grad(g, argnums=tuple(range(len(args)))), *args, target="h100")
   assert grads.by_kind["conv"] == 3 * len(forward) - 1
   assert grads.flops == 2 * sum(forward) + sum(forward[:-1])
+
+
+def _conv_f32_result(x, k):
+  """A bf16 3x3 'SAME' convolution accumulated into an f32 result (preferred_element_type)."""
+  dims = ("NHWC", "HWIO", "NHWC")
+  return lax.conv_general_dilated(
+    x, k, (1, 1), "SAME", dimension_numbers=dims, preferred_element_type=jnp.float32
+  )
+
+
+@pytest.mark.parametrize("gemm_backend", ["default", "cublaslt"])
+def test_a_bf16_conv_compiled_as_f32_for_h100_is_flagged_and_a_bf16_dense_gemm_is_not(
+  gemm_backend,
+):
+  # digits_cnn's first convolution (8 -> 32 channels), and a bf16 x bf16 -> f32 dense GEMM.
+  x = jax.ShapeDtypeStruct((64, 8, 8, 8), jnp.bfloat16)
+  k = jax.ShapeDtypeStruct((3, 3, 8, 32), jnp.bfloat16)
+  a = jax.ShapeDtypeStruct((512, 256), jnp.bfloat16)
+  w = jax.ShapeDtypeStruct((256, 512), jnp.bfloat16)
+
+  def f(x, k, a, w):
+    return _conv_f32_result(x, k), lax.dot(a, w, preferred_element_type=jnp.float32)
+
+  report = mpjax.audit(f, x, k, a, w, target="h100", gemm_backend=gemm_backend)
+  conv, dense = report.rows
+  # Planned bf16 x bf16 -> f32; XLA:GPU hands cuDNN f32 operands (the premise).
+  assert conv.dtypes == "bf16 x bf16 -> f32" and conv.compiled_dtypes == "f32 x f32 -> f32"
+  assert conv.call == "__cudnn$convForward" and _codes(conv) == ["half-lost"] and not conv.fast
+  reason = conv.flags[0].reason
+  assert reason.startswith("planned in bf16, compiled as f32 x f32 (__cudnn$convForward)")
+  assert "let the convolution write bf16" in reason
+  assert dense.compiled_dtypes.startswith("bf16 x bf16") and not dense.flags and dense.fast
+  assert report.half_lost == (conv,) and report.to_dict()["half_lost"] == 1
+  assert report.fast_path_share == pytest.approx(dense.flops / (conv.flops + dense.flops))
+  text = str(report)
+  assert "Half precision lost: 1 GEMMs planned with f16/bf16 operands" in text
+  assert "1 flagged, 1 compiled wider than planned" in text
+
+
+def test_autocast_bf16_convolutions_compile_bf16_for_h100_forward_and_backward():
+  conv = nn.Sequential([nn.Conv(32, (3, 3)), nn.relu, nn.Conv(64, (3, 3))])
+  x = jax.ShapeDtypeStruct((64, 8, 8, 8), jnp.float32)
+  params = jax.eval_shape(conv.init, jax.random.key(0), x)
+
+  def loss(p, x):
+    return jnp.mean(conv.apply(p, x).astype(jnp.float32) ** 2)
+
+  grad = jax.grad(mpjax.autocast(loss, "mixed_bf16"), argnums=(0, 1))
+  report = mpjax.audit(grad, params, x, target="h100")
+  convs = [r for r in report.rows if r.op == "conv_general_dilated"]
+  # Forward 2, the kernels' gradients 2, the image's gradients 2 (x is differentiated too),
+  # each a cuDNN call multiplying bf16 x bf16 as planned (it was f32 x f32).
+  assert len(convs) == 6 and not report.compiled_only
+  assert {(r.call_kind, r.compiled_dtypes) for r in convs} == {("cudnn", "bf16 x bf16 -> bf16")}
+  assert not report.half_lost and not report.flagged
+  # The gradients keep their operands' dtypes: f32 for the f32 kernels and image.
+  shapes = jax.eval_shape(grad, params, x)
+  assert {a.dtype for a in jax.tree.leaves(shapes)} == {jnp.dtype(jnp.float32)}
