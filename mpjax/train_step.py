@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextvars
 import functools
+import logging
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -348,6 +350,21 @@ def _with_model_state(loss_fn: LossFn) -> Callable[..., Any]:
   return model_fn
 
 
+# True while init_fp8_state traces the step to make the state (then nothing is to be said).
+_making_fp8_state = contextvars.ContextVar("making_fp8_state", default=False)
+
+
+def _log_fp8_state_made_in_step() -> None:
+  """Says (at trace time) that the FP8 state is made in the step, and how to compile once."""
+  if _making_fp8_state.get():
+    return
+  logging.getLogger("mpjax").warning(
+    "mpjax: the FP8 state is made by the first train step, so a jitted step compiles again on "
+    "the second (the state's structure changes). To compile once, make it first: "
+    "state = mpjax.init_fp8_state(step, state, batch) (mpjax train does)."
+  )
+
+
 def _fp8_this_step(
   model_fn: Callable[..., Any],
   state: TrainState,
@@ -369,6 +386,8 @@ def _fp8_this_step(
       model_fn, policy, state.params, state.model_state, batch, rules=rules
     )
     fp8_state = Fp8State.initial(policy.fp8, gemms) if gemms else None
+    if gemms:
+      _log_fp8_state_made_in_step()
   # This step's scale of every FP8 tensor, from its history (delayed scaling).
   fp8_scales = None if fp8_state is None else delayed_scales(fp8_state, policy.fp8)
   return fp8_state, fp8_scales
@@ -577,7 +596,11 @@ def init_fp8_state(step: StepFn, state: TrainState, batch: Any) -> TrainState:
   """
   if state.fp8 is not None or state.policy.fp8 is None:
     return state
-  made = jax.eval_shape(step, state, batch)[0].fp8
+  token = _making_fp8_state.set(True)
+  try:
+    made = jax.eval_shape(step, state, batch)[0].fp8
+  finally:
+    _making_fp8_state.reset(token)
   if made is None:  # current scaling, or no FP8 GEMM
     return state
   return state.replace(fp8=Fp8State.initial(state.policy.fp8, made.gemms))

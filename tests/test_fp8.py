@@ -766,6 +766,22 @@ def test_init_fp8_state_matches_what_the_first_step_makes():
   assert fresh._cache_size() == 2
 
 
+def test_a_step_that_makes_the_fp8_state_says_how_to_compile_once(caplog):
+  state, batch = _state(), _batch()
+  with caplog.at_level("WARNING", logger="mpjax"):
+    step = jax.jit(mpjax.make_train_step(loss_fn))
+    step(step(state, batch)[0], batch)
+  assert step._cache_size() == 2  # the premise: the state made in the step compiles it twice
+  assert "mpjax.init_fp8_state(step, state, batch)" in caplog.text
+  caplog.clear()
+  with caplog.at_level("WARNING", logger="mpjax"):
+    step = jax.jit(mpjax.make_train_step(loss_fn))
+    ready = mpjax.init_fp8_state(step, state, batch)
+    step(step(ready, batch)[0], batch)
+  assert step._cache_size() == 1
+  assert "init_fp8_state" not in caplog.text
+
+
 # --- 8. checkpoints -----------------------------------------------------------------------------
 
 
