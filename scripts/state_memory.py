@@ -10,7 +10,7 @@ to the ``fp32`` policy's step. And the train state's bytes per parameter
 jax versions and the XLA flags as JSON.
 
     python scripts/state_memory.py [--target h100] [--json results/gpu/bf16_sr_h100.json]
-    python scripts/state_memory.py --small          # tiny models, for the tests
+    python scripts/state_memory.py --small --models mlp --policies fp32,pure_bf16,bf16_sr
 """
 
 from __future__ import annotations
@@ -67,7 +67,9 @@ def workload(name: str, small: bool) -> tuple[Any, Any, Any]:
   return model, batch, loss_of
 
 
-def measure(name: str, target: str, small: bool) -> dict[str, dict[str, float]]:
+def measure(
+  name: str, target: str, small: bool, policies: tuple[str, ...] = POLICIES
+) -> dict[str, dict[str, float]]:
   """Per policy: state bytes per parameter, and the target step's kernels and bytes moved."""
   model, batch, loss_of = workload(name, small)
   params = jax.eval_shape(model.init, jax.random.key(2), batch["x"])
@@ -75,7 +77,7 @@ def measure(name: str, target: str, small: bool) -> dict[str, dict[str, float]]:
   tx = optax.adamw(1e-4)
   step = jax.jit(mpjax.make_train_step(loss_of), donate_argnums=0)
   out: dict[str, dict[str, float]] = {}
-  for policy in POLICIES:
+  for policy in policies:
     state = jax.eval_shape(
       lambda p, policy=policy: mpjax.TrainState.create(
         apply_fn=model.apply, params=p, tx=tx, policy=policy
@@ -93,9 +95,10 @@ def measure(name: str, target: str, small: bool) -> dict[str, dict[str, float]]:
   for r in out.values():
     r["kernels_ratio"] = r["kernels"] / base["kernels"]
     r["bytes_ratio"] = r["bytes_moved"] / base["bytes_moved"]
-    r["state_ratio_to_mixed_bf16"] = (
-      r["state_bytes_per_param"] / out["mixed_bf16"]["state_bytes_per_param"]
-    )
+    if "mixed_bf16" in out:
+      r["state_ratio_to_mixed_bf16"] = (
+        r["state_bytes_per_param"] / out["mixed_bf16"]["state_bytes_per_param"]
+      )
   out["params"] = {"count": n_params}
   return out
 
@@ -107,7 +110,7 @@ def table(name: str, results: dict[str, dict[str, float]]) -> str:
     "| policy | state bytes/param | kernels | x fp32 | bytes moved (MB) | x fp32 |",
     "|---|---:|---:|---:|---:|---:|",
   ]
-  for policy in POLICIES:
+  for policy in (p for p in results if p != "params"):
     r = results[policy]
     rows.append(
       f"| {policy} | {r['state_bytes_per_param']:.2f} | {r['kernels']} | "
@@ -120,6 +123,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--target", default="h100", help="a GPU target (mpjax.TARGETS)")
   parser.add_argument("--models", default="mlp,transformer")
+  parser.add_argument("--policies", default=",".join(POLICIES), help="fp32 first")
   parser.add_argument("--small", action="store_true", help="tiny models (for the tests)")
   parser.add_argument("--json", default="", help="write the figures here")
   args = parser.parse_args(argv)
@@ -144,7 +148,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     "results": {},
   }
   for name in args.models.split(","):
-    record["results"][name] = results = measure(name, args.target, args.small)
+    policies = tuple(args.policies.split(","))
+    record["results"][name] = results = measure(name, args.target, args.small, policies)
     print(table(name, results) + "\n")
   if args.json:
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)

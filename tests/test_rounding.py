@@ -1,5 +1,6 @@
 """bf16 params and optimizer state: stochastic rounding, Kahan summation, the bf16_sr preset."""
 
+import json
 import os
 import subprocess
 import sys
@@ -306,3 +307,30 @@ def test_data_parallel_replicas_round_identically_over_eight_host_devices():
     [sys.executable, "-c", _EIGHT_DEVICES], env=env, capture_output=True, text=True, timeout=300
   )
   assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-4000:]
+
+
+def test_h100_step_of_bf16_sr_costs_no_byte_and_no_kernel_per_leaf_over_nearest(tmp_path):
+  import importlib.metadata
+
+  import mpjax.gpu
+
+  try:
+    importlib.metadata.version(mpjax.gpu.PLUGIN)
+  except importlib.metadata.PackageNotFoundError:
+    pytest.skip(f"needs XLA's CUDA compiler plugin ({mpjax.gpu.PLUGIN})")
+  sys.path.insert(0, str(os.path.join(os.path.dirname(__file__), "..", "scripts")))
+  import state_memory
+
+  out = tmp_path / "state.json"
+  argv = ["--small", "--models", "mlp", "--policies", "fp32,pure_bf16,bf16_sr", "--json", str(out)]
+  state_memory.main(argv)
+  record = json.loads(out.read_text())
+  assert record["jax"] == jax.__version__ and record["target"] == "h100"
+  r = record["results"]["mlp"]
+  assert r["bf16_sr"]["state_bytes_per_param"] <= r["fp32"]["state_bytes_per_param"] / 2 + 0.02
+  # The rounding fuses into the update: at most one kernel more than round to nearest (the
+  # step's seed); a random-number or key kernel per leaf would add six or more. (The full-size
+  # MLP moves the same bytes as pure_bf16; this tiny one a few kB more.)
+  assert r["bf16_sr"]["bytes_moved"] <= r["pure_bf16"]["bytes_moved"] * 1.1
+  assert r["bf16_sr"]["kernels"] <= r["pure_bf16"]["kernels"] + 1
+  assert r["bf16_sr"]["kernels"] <= r["fp32"]["kernels"] * 1.05
