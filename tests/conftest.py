@@ -56,9 +56,6 @@ def pytest_collection_modifyitems(config, items):
   "tests/test_rounding.py::test_experiment_resumed_from_a_checkpoint": "trains a config twice",
   "tests/test_rounding.py::test_data_parallel_replicas_round": "8 host devices, two steps x2",
   "tests/test_rounding.py::test_h100_step_of_bf16_sr": "three whole-step GPU compiles",
-  "tests/test_rounding.py::test_a_checkpoint_keeps_the_key": "orbax save and restore, trains twice",
-  "tests/test_rounding.py::test_experiment_resumed_from_a_checkpoint": "trains a config twice",
-  "tests/test_rounding.py::test_data_parallel_replicas_round": "8 host devices, two steps x2",
 
 @pytest.fixture(autouse=True)
 def _no_policy_override(monkeypatch):
