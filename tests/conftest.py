@@ -44,6 +44,10 @@ SLOW = {
   "tests/test_doctor.py::test_doctor_command_prints_the_audit_table": "a CLI process",
   "tests/test_diagnose.py::test_backward_only_overflow_is_found": "replays a training step",
   "tests/test_experiment.py::test_divergence_guard_stops": "trains until it diverges",
+  "tests/test_rounding.py::test_a_checkpoint_keeps_the_key": "orbax save and restore, trains twice",
+  "tests/test_rounding.py::test_experiment_resumed_from_a_checkpoint": "trains a config twice",
+  "tests/test_rounding.py::test_data_parallel_replicas_round": "8 host devices, two steps x2",
+  "tests/test_rounding.py::test_h100_step_of_bf16_sr": "three whole-step GPU compiles",
 }
 
 
@@ -52,10 +56,6 @@ def pytest_collection_modifyitems(config, items):
     if any(item.nodeid.startswith(prefix) for prefix in SLOW):
       item.add_marker(pytest.mark.slow)
 
-  "tests/test_rounding.py::test_a_checkpoint_keeps_the_key": "orbax save and restore, trains twice",
-  "tests/test_rounding.py::test_experiment_resumed_from_a_checkpoint": "trains a config twice",
-  "tests/test_rounding.py::test_data_parallel_replicas_round": "8 host devices, two steps x2",
-  "tests/test_rounding.py::test_h100_step_of_bf16_sr": "three whole-step GPU compiles",
 
 @pytest.fixture(autouse=True)
 def _no_policy_override(monkeypatch):
