@@ -421,8 +421,15 @@ def _parse_string(spec: str) -> tuple[Policy, str]:
     dtype = _parse_dtype(text, spec)
     return Policy(dtype, dtype, dtype), f"dtype {text!r} for params, compute and output"
   dtypes: dict[str, np.dtype] = {}
+  storage: dict[str, Any] = {}  # opt_state_dtype and rounding, mpjax's keys past jmp's
   for part in text.split(","):
     key, sep, value = (s.strip() for s in part.partition("="))
+    if sep and key in ("opt", "opt_state_dtype"):
+      storage["opt_state_dtype"] = _parse_dtype(value, spec)
+      continue
+    if sep and key == "rounding":
+      storage["rounding"] = value
+      continue
     if not sep or key not in _KEYS:
       raise _spec_error(
         spec, f"Unknown key {key!r}: {part.strip()!r} is not 'params=', 'compute=' or 'output='"
@@ -432,7 +439,7 @@ def _parse_string(spec: str) -> tuple[Policy, str]:
   param = dtypes.get("param", _F32)
   compute = dtypes.get("compute", param)
   output = dtypes.get("output", compute)
-  return Policy(param, compute, output), f"spec {spec!r}"
+  return Policy(param, compute, output, **storage), f"spec {spec!r}"
 
 
 def _resolve(spec: Any) -> tuple[Policy, str]:
@@ -470,7 +477,10 @@ def get_policy(spec: Policy | str | Any = "mixed_bf16") -> Policy:
   bf16, output f32); ``"bf16_kahan"`` (the same with Kahan-compensated params:
   a bf16 compensation buffer more, closer to f32 masters); ``"auto"``
   (bf16 on TPU and on NVIDIA GPUs of compute capability >= 8.0, fp16 on 7.x,
-  bf16 on CPUs with AVX512-BF16 or AMX, else fp32).
+  bf16 on CPUs with AVX512-BF16 or AMX, else fp32). Beyond jmp's keys, a
+  spec may say ``opt=bf16`` (``opt_state_dtype``) and ``rounding=stochastic``
+  (or ``nearest``, ``kahan``), e.g. ``"p=f32,c=bf16,o=f32,opt=bf16,rounding=stochastic"``
+  for f32 masters with bf16 moments; ``str(policy)`` reads back.
 
   When the environment variable ``MPJAX_POLICY`` is set, its value is resolved
   in place of ``spec`` (the way ``TF_ENABLE_AUTO_MIXED_PRECISION`` switches a

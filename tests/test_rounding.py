@@ -85,6 +85,15 @@ def test_bf16_sr_preset_and_f32_masters_with_bf16_moments():
   chex.assert_type(adam.count, jnp.int32)
 
 
+def test_the_spec_grammar_carries_the_storage_and_str_reads_back():
+  for name in ("bf16_sr", "bf16_kahan"):
+    assert mpjax.get_policy(str(mpjax.get_policy(name))) == mpjax.get_policy(name)
+  policy = mpjax.get_policy("p=f32,c=bf16,o=f32,opt=bf16,rounding=stochastic")
+  assert (policy.param_dtype, policy.opt_state_dtype, policy.rounding) == (F32, BF16, "stochastic")
+  with pytest.raises(ValueError, match="param_dtype=jnp.bfloat16"):
+    mpjax.get_policy("p=f32,c=bf16,rounding=kahan")
+
+
 def test_bf16_sr_train_state_is_half_of_mixed_bf16s():
   sizes = {}
   for policy in ("mixed_bf16", "bf16_sr", "bf16_kahan"):
