@@ -6,9 +6,17 @@ A test is slow when it trains for many steps, starts other processes (8 host dev
 processes), runs a whole benchmark script, or compiles whole train steps for a GPU target.
 """
 
+import os
+
 import pytest
 
-import mpjax
+# XLA:CPU spends most of this suite's time compiling, and most of that in LLVM's optimizer. The
+# tests check numerics and compiled HLO, not how fast the CPU's machine code runs, and LLVM's
+# level changes no HLO pass: level 0 compiles about 3x faster. Set before jax starts a backend.
+if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0"
+
+import mpjax  # noqa: E402
 
 # Node-id prefixes of the slow tests, each with why it is slow.
 SLOW = {
@@ -44,6 +52,20 @@ SLOW = {
   "tests/test_doctor.py::test_doctor_command_prints_the_audit_table": "a CLI process",
   "tests/test_diagnose.py::test_backward_only_overflow_is_found": "replays a training step",
   "tests/test_experiment.py::test_divergence_guard_stops": "trains until it diverges",
+  "tests/test_experiment.py::test_diagnose_a_healthy_config_finds_nothing": "trains, then replays",
+  "tests/test_experiment.py::test_a_rerun_says_it_resumes": "trains a config twice",
+  "tests/test_experiment.py::test_a_checkpoint_of_another_model_version": "trains, then resumes",
+  "tests/test_experiment.py::test_resuming_with_a_different_config_is_refused": "trains, resumes",
+  "tests/test_experiment.py::test_without_the_experiments_extra": "a CLI process",
+  "tests/test_diagnose.py::test_backward_overflow_behind_an_f32_loss_is_found": "replays a step",
+  "tests/test_doctor.py::test_padding_stays_zero_and_logits_keep_num_classes": "trains the CNN",
+  "tests/test_examples.py::test_readme_numerics_test_file_passes": "three numerics tests of a CNN",
+  "tests/test_gpu.py::test_bf16_weight_gradient_gemms_write": "whole-step GPU compiles",
+  "tests/test_gpu.py::test_doctor_in_the_cublaslt_mode_says_so": "a whole-step GPU compile",
+  "tests/test_gpu.py::test_importing_mpjax_with_the_compiler_plugin": "a Python process",
+  "tests/test_xla.py::test_configure_xla_before_the_backend_starts": "a Python process",
+  "mpjax/experiment/comparison.py::mpjax.experiment.comparison.compare": "a training doctest",
+  "mpjax/experiment/loop.py::mpjax.experiment.loop.train": "a training doctest",
   "tests/test_rounding.py::test_a_checkpoint_keeps_the_key": "orbax save and restore, trains twice",
   "tests/test_rounding.py::test_experiment_resumed_from_a_checkpoint": "trains a config twice",
   "tests/test_rounding.py::test_data_parallel_replicas_round": "8 host devices, two steps x2",
