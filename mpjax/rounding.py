@@ -15,7 +15,8 @@ jitted step, so XLA fuses the widening, the optax update and the rounded write
 into the optimizer's own kernels: no extra pass over the params.
 
 The random bits are a pure function of the train state: a key and an update
-count kept in the optimizer state (:class:`RoundingState`), folded per leaf. So
+count kept in the optimizer state (:class:`RoundingState`), hashed with each
+leaf's index and each element's (:func:`random_bits`). So
 two runs from one state are bit-identical, a resumed run continues as an
 uninterrupted one, a skipped step (which keeps the optimizer state) changes
 nothing, and data-parallel replicas, which hold the same key, round alike.
