@@ -83,9 +83,11 @@ class Fp8Recipe:
       of the steps before; the train state keeps the histories) or
       ``"current"`` (each operand's scale comes from its own amax, taken when
       it is cast: one more pass over it, no state). Where there is no state
-      to keep (:func:`mpjax.autocast` on its own, GEMMs inside ``scan``,
-      ``while``, ``custom_jvp`` and ``custom_vjp`` bodies, whose amaxes a
-      single history cannot follow), delayed scaling runs as current scaling.
+      to keep (:func:`mpjax.autocast` on its own, GEMMs inside ``scan`` and
+      ``while`` bodies, whose amaxes a single history cannot follow), delayed
+      scaling runs as current scaling. GEMMs inside ``custom_jvp`` and
+      ``custom_vjp`` functions are not run in FP8 at all: autocast runs them
+      as bf16 x bf16 -> f32 GEMMs.
     amax_history_len: how many steps of amaxes delayed scaling keeps.
     amax_compute_algo: how delayed scaling reads the history: ``"max"`` (the
       largest amax it holds) or ``"most_recent"`` (the last step's).

@@ -967,6 +967,29 @@ def test_gemm_in_scan_runs_fp8_without_delayed_state():
   assert mpjax.init_fp8_state(step, state, batch).fp8.gemms == 5
 
 
+def test_a_gemm_inside_a_custom_vjp_runs_bf16_not_fp8():
+  # As Fp8Recipe's docstring says: autocast runs a custom_vjp function's GEMMs as bf16 x bf16.
+  w = jax.random.normal(jax.random.key(3), (32, 32)) / 6.0
+  x = jax.random.normal(jax.random.key(4), (16, 32))
+
+  @jax.custom_vjp
+  def layer(w, x):
+    return x @ w
+
+  layer.defvjp(lambda w, x: (x @ w, (w, x)), lambda res, g: (res[1].T @ g, g @ res[0].T))
+
+  def dtypes_of_gemms(fn):
+    jaxpr = str(jax.make_jaxpr(jax.grad(mpjax.autocast(fn, _policy(keep_bf16=()))))(w, x))
+    return {dtype for dtype in ("f8_e4m3fn", "f8_e5m2", "bf16") if dtype in jaxpr}
+
+  plain = dtypes_of_gemms(lambda w, x: jnp.sum(x @ w))
+  assert "f8_e4m3fn" in plain  # the premise: the same GEMM outside a custom_vjp runs in FP8
+  wrapped = dtypes_of_gemms(lambda w, x: jnp.sum(layer(w, x)))
+  assert "bf16" in wrapped and not wrapped & {"f8_e4m3fn", "f8_e5m2"}
+  got = jax.jit(mpjax.autocast(lambda w, x: layer(w, x), _policy(keep_bf16=())))(w, x)
+  np.testing.assert_allclose(got.astype(np.float32), x @ w, rtol=2e-2, atol=2e-2)
+
+
 # --- 11. training -------------------------------------------------------------------------------
 
 
