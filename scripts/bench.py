@@ -61,6 +61,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -75,6 +76,7 @@ from jax import lax
 
 import mpjax
 from mpjax.audit import audit_jaxpr
+from mpjax.experiment.comparison import device_description
 from mpjax.jax_compat import saved_residuals
 
 
@@ -577,7 +579,9 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, dict[str, float]]
   if args.json:
     with open(args.json, "w") as f:
       record = {
-        "device": str(jax.devices()[0].device_kind),
+        "device": device_description(),
+        "jax": jax.__version__,
+        "command": " ".join(["python scripts/bench.py", *(sys.argv[1:] if argv is None else argv)]),
         "backend": jax.default_backend(),
         "results": all_results,
         "ceiling": gemm_ceiling,
