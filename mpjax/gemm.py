@@ -311,6 +311,8 @@ def mixed_conv(lhs, rhs, params, compute_dtype):
   Lowered for the backend it is traced for (``lowering_platform``): on a GPU
   the convolution writes the compute dtype (:func:`_conv_written`), elsewhere
   it accumulates into an f32 result, rounded to the compute dtype after.
+  Inside ``jit`` an argument committed to the CPU of a GPU machine does not say
+  where it is; ``jax.default_device(jax.devices("cpu")[0])`` makes it the CPU's.
   """
   platform = lowering_platform(lhs, rhs)
   out = lax.conv_general_dilated_p.bind(

@@ -162,10 +162,13 @@ _MOVED_ON_A_SKIP = ("loss_scale", "skipped_steps")
 
 def _kept_fields(state: Any) -> dict[str, Any]:
   """The state's fields a skipped step must keep: every pytree field but the moved ones."""
-  if dataclasses.is_dataclass(state):
-    names = [f.name for f in dataclasses.fields(state) if f.metadata.get("pytree_node", True)]
-    return {n: getattr(state, n) for n in names if n not in _MOVED_ON_A_SKIP}
-  return {"state": state}
+  if not dataclasses.is_dataclass(state):
+    raise TypeError(
+      f"mpjax.testing: the state is a {type(state).__name__}, not an mpjax.TrainState; pass "
+      "the state the step takes (mpjax.TrainState.create(...))."
+    )
+  names = [f.name for f in dataclasses.fields(state) if f.metadata.get("pytree_node", True)]
+  return {n: getattr(state, n) for n in names if n not in _MOVED_ON_A_SKIP}
 
 
 def _first_change(name: str, old: Any, new: Any, state: Any) -> str | None:
