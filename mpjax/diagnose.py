@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import tree_util
 
-from mpjax.diagnose_replay import MAX_REPLAYED, Replay, ReplayedOp, replay_program
+from mpjax._diagnose_replay import MAX_REPLAYED, Replay, ReplayedOp, replay_program
 from mpjax.op_classes import module_of
 from mpjax.policy import PRESETS, Policy
 
@@ -147,6 +147,14 @@ class UncheckedOp:
       result could not be computed: whether f32 overflows too is unknown).
     rule: for a ``nonfinite`` one, the autocast ``rules`` that run its module
       in f32 (worth a try); empty otherwise.
+
+  Example:
+    >>> import mpjax
+    >>> op = mpjax.UncheckedOp(
+    ...   "Model/mlp", "Model/mlp", "shard_map", "forward", (), "its body was not replayed"
+    ... )
+    >>> print(op)
+    `shard_map` in module `Model/mlp` (forward pass): its body was not replayed
   """
 
   module: str
@@ -180,6 +188,18 @@ class UncheckedReport:
     unchecked: what was not checked, in program order; a ``nonfinite`` one
       (last) is the first operation whose result is inf or NaN.
     policy: the policy it was replayed under.
+
+  Example:
+    A clean function whose loop ran compiled past ``max_replayed`` operations:
+
+    >>> import jax, jax.numpy as jnp, mpjax
+    >>> def fn(x, n):
+    ...   return jax.lax.fori_loop(0, n, lambda i, h: h * 1.01, x)
+    >>> report = mpjax.find_nonfinite(fn, jnp.ones(4), jnp.int32(40), max_replayed=30)
+    >>> [(u.primitive, u.nonfinite) for u in report.unchecked]
+    [('while', False)]
+    >>> report.unchecked[0].reason.split(" (")[0]
+    'its iterations from iteration 10 on ran compiled'
   """
 
   unchecked: tuple[UncheckedOp, ...]
@@ -238,11 +258,6 @@ def _first_nonfinite(ops: list[ReplayedOp]) -> ReplayedOp | None:
   return next((op for op in ops if op.inputs_finite and not op.finite), None)
 
 
-def _first_report(ops: list[ReplayedOp], policy: Any) -> NonFiniteReport | None:
-  first = _first_nonfinite(ops)
-  return None if first is None else _report(first, policy)
-
-
 def _answer(replay: Replay, policy: Any) -> NonFiniteReport | UncheckedReport | None:
   """The report of the first overflow, else what was not checked, else None."""
   first = _first_nonfinite(replay.ops)
@@ -254,7 +269,11 @@ def _answer(replay: Replay, policy: Any) -> NonFiniteReport | UncheckedReport | 
     for path, primitive, iteration, why in replay.unchecked
   ]
   if first is not None and first.shadow is None:  # not finite, and f32 cannot say
-    module = _module(first.path)
+    module, why = _module(first.path), first.why
+    # A shard_map (or a loop run compiled) that is itself the first: one entry, both reasons.
+    key = (first.path, first.primitive, first.iteration)
+    if unchecked and (unchecked[-1].path, unchecked[-1].primitive, unchecked[-1].iteration) == key:
+      why = f"{unchecked.pop().reason}; {why}"
     unchecked.append(
       UncheckedOp(
         module,
@@ -262,7 +281,7 @@ def _answer(replay: Replay, policy: Any) -> NonFiniteReport | UncheckedReport | 
         first.primitive,
         _phase(first.path),
         first.iteration,
-        first.why,
+        why,
         nonfinite=True,
         rule=rule_for(module, _culprit(first)),
       )
@@ -357,7 +376,17 @@ def find_nonfinite(
     >>> type(report).__name__, report.unchecked[0].primitive, report.unchecked[0].nonfinite
     ('UncheckedReport', 'pure_callback', True)
   """
-  replay, _ = replay_program(fn, args, kwargs, policy, rules, loss_scale, False, True, max_replayed)
+  replay, _ = replay_program(
+    fn,
+    args,
+    kwargs,
+    policy,
+    rules,
+    loss_scale,
+    shadow_all=False,
+    stop_at_first=True,
+    max_replayed=max_replayed,
+  )
   return _answer(replay, policy)
 
 
@@ -445,8 +474,8 @@ def suggest_rules(
   modules = 0
   while modules < max_rules:
     replay, outs = replay_program(fn, args, kwargs, policy, rules, loss_scale, shadow_all=False)
-    report = _first_report(replay.ops, policy)
-    if report is not None:
+    report = _answer(replay, policy)
+    if isinstance(report, NonFiniteReport):
       new = dict(report.rule)
     elif _relative_error(outs, reference) > tolerance:
       replay, _ = replay_program(fn, args, kwargs, policy, rules, loss_scale, shadow_all=True)

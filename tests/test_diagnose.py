@@ -788,3 +788,53 @@ def test_a_stopped_run_says_what_it_could_not_check(tmp_path):
   assert "Could not check" in message and "`pure_callback`" in message, message
   assert "diverges in f32 too;" not in message
   assert "mpjax diagnose host_demo --step 7" in message
+
+
+def _loop_of(x, n):
+  """A while loop of ``n`` iterations, three operations each: ``lt`` (the condition), ``add``
+  (the counter) and ``mul``, and nothing else in the program."""
+  return jax.lax.fori_loop(0, n, lambda i, h: h * 1.01, x)
+
+
+@pytest.mark.parametrize("max_replayed, iteration, replayed", [(30, 10, 31), (32, 11, 34)])
+def test_a_loop_runs_compiled_once_max_replayed_operations_were_replayed(
+  max_replayed, iteration, replayed
+):
+  """Each operation counts once: after iteration i's condition, 3 i + 1 operations were replayed;
+  once that reaches max_replayed, the rest runs compiled, as find_nonfinite's docstring says."""
+  x, n = jnp.ones(4), jnp.int32(40)
+  ops = jax.make_jaxpr(mpjax.autocast(_loop_of, "mixed_fp16"))(x, n).eqns[0].params["jaxpr"].eqns
+  loop = ops[0].params  # premise: the program is the loop alone, of three operations
+  assert len(ops) == 1 and len(loop["cond_jaxpr"].eqns) + len(loop["body_jaxpr"].eqns) == 3
+  report = mpjax.find_nonfinite(_loop_of, x, n, max_replayed=max_replayed)
+  assert isinstance(report, mpjax.UncheckedReport), report
+  [unchecked] = report.unchecked
+  assert unchecked.primitive == "while"
+  assert f"from iteration {iteration} on ran compiled" in unchecked.reason, unchecked.reason
+  assert f"after {replayed} operations replayed" in unchecked.reason, unchecked.reason
+  # 40 iterations and the last condition: 121 operations, all checked at a limit of 120 already.
+  assert mpjax.find_nonfinite(_loop_of, x, n, max_replayed=3 * 40) is None
+
+
+def test_a_zero_length_scan_has_nothing_to_check():
+  def fn(x):
+    return jax.lax.scan(lambda c, y: (c * 2.0, y), x, jnp.zeros((0, 4)))[0] + 1.0
+
+  assert mpjax.find_nonfinite(fn, jnp.ones(4)) is None
+
+
+def test_a_shard_map_that_is_the_first_overflow_is_named_once():
+  """Not once as not replayed and again as not finite: one entry, with both reasons."""
+
+  def fn(x):
+    mesh = jax.make_mesh((1,), ("data",))
+    spec = jax.sharding.PartitionSpec()
+    return jax.shard_map(lambda a: a @ a, mesh=mesh, in_specs=spec, out_specs=spec)(x)
+
+  x = jnp.full((4, 4), 300.0)  # 4 * 300**2 overflows fp16
+  assert not np.isfinite(jax.jit(mpjax.autocast(fn, "mixed_fp16"))(x)).any()  # premise
+  report = mpjax.find_nonfinite(fn, x)
+  assert isinstance(report, mpjax.UncheckedReport), report
+  [unchecked] = report.unchecked
+  assert (unchecked.primitive, unchecked.nonfinite) == ("shard_map", True)
+  assert "body was not replayed" in unchecked.reason and "f32 cannot compute" in str(unchecked)

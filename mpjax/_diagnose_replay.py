@@ -7,6 +7,7 @@ calls, ``remat``, ``custom_jvp`` and ``custom_vjp`` functions, the branch a
 ``cond`` takes and each iteration of a ``scan`` or ``while`` loop, recording
 each operation's result (and, where asked, the same operation in f32 on the
 same inputs: its shadow). What it runs without seeing its operations, it lists.
+Internal: its names are not mpjax's API.
 """
 
 from __future__ import annotations
@@ -62,7 +63,8 @@ _CALLS = {
 }
 # Primitives whose jaxpr parameter only combines two scalars (scatter-add's add, a reducer).
 _COMBINING = ("scatter", "reduce", "select_and_", "argmin", "argmax")
-# Operations replayed one by one at most; a loop's iterations beyond it run compiled, unchecked.
+# Operations replayed one by one at most (each counts once, a loop's condition included); a
+# loop's iterations reached after that many run compiled, unchecked.
 MAX_REPLAYED = 200_000
 
 
@@ -181,12 +183,16 @@ class Replay:
       return self.scan(eqn, invals, path)
     self.replayed += 1
     outs = _bind(eqn, invals)
-    if _has_body(eqn):  # shard_map, a custom linear solve...: its operations are not seen
+    # A shard_map, a custom linear solve...: its operations are not seen (a scan of length 0
+    # runs none).
+    if _has_body(eqn) and not (name == "scan" and p["length"] == 0):
       self.unchecked.append((path, name, tuple(self.iteration), "its body was not replayed"))
     self.probe(eqn, path, invals, outs)
     return outs
 
-  def call(self, eqn: Any, sub: Any, invals: list[Any], outer: Sequence[Any], path: str):
+  def call(
+    self, eqn: Any, sub: Any, invals: list[Any], outer: Sequence[Any], path: str
+  ) -> list[Any]:
     """A body run in place of its equation; what made its values carries in and out."""
     jaxpr, consts = _parts(sub)
     self.carry_sources(jaxpr.invars, outer)
@@ -202,7 +208,8 @@ class Replay:
   def compiled(self, eqn: Any, path: str, where: str) -> None:
     """Notes that a loop's remaining iterations run compiled: their operations are not seen."""
     why = (
-      f"its iterations from {where} on ran compiled (over {self.max_replayed} operations replayed)"
+      f"its iterations from {where} on ran compiled (after {self.replayed} operations replayed "
+      f"one by one, max_replayed={self.max_replayed})"
     )
     self.unchecked.append((path, eqn.primitive.name, tuple(self.iteration[:-1]), why))
 
@@ -214,9 +221,11 @@ class Replay:
     self.carry_sources(body.invars, eqn.invars[cn:])
     self.iteration.append(0)
     try:
-      while self.replayed <= self.max_replayed:
+      while True:
         if not bool(self.run(cond, cc, [*cconsts, *carry], path)[0]):
           return carry
+        if self.replayed >= self.max_replayed:  # the rest runs compiled (the condition again)
+          break
         carry = self.run(body, bc, [*bconsts, *carry], path)
         self.iteration[-1] += 1
       self.compiled(eqn, path, f"iteration {self.iteration[-1]}")
@@ -240,7 +249,7 @@ class Replay:
         i = length - 1 - t if p["reverse"] else t
         self.iteration[-1] = i  # the index into the scanned axis (a layer, in a layer stack)
         args = [*consts, *carry, *(x[i] for x in xs)]
-        if compiled is None and self.replayed > self.max_replayed:
+        if compiled is None and self.replayed >= self.max_replayed:
           compiled = jax.jit(jcore.jaxpr_as_fun(p["jaxpr"]))
           self.compiled(eqn, path, f"index {i}")
         out = self.run(body, body_consts, args, path) if compiled is None else compiled(*args)
@@ -254,7 +263,6 @@ class Replay:
 
   def probe(self, eqn: Any, path: str, invals: list[Any], outs: list[Any]) -> None:
     """Records the operation's result and, for the first non-finite one (or all), its shadow."""
-    self.replayed += 1
     name = eqn.primitive.name
     source = next(
       (self.made_by.get(v) for v in eqn.invars if not isinstance(v, jcore.Literal)), None
@@ -288,6 +296,7 @@ def replay_program(
   rules: Any,
   loss_scale: float | None,
   shadow_all: bool,
+  *,
   stop_at_first: bool = False,
   max_replayed: int = MAX_REPLAYED,
 ) -> tuple[Replay, Any]:
@@ -301,6 +310,25 @@ def replay_program(
   same inputs in f32) is computed for the first non-finite one, and for all
   with ``shadow_all``. With ``stop_at_first`` the replay ends there (the
   outputs are then ``None``).
+
+  Args:
+    fn: the function (a loss, with ``loss_scale``).
+    args: its positional arguments (concrete: it runs).
+    kwargs: its keyword arguments.
+    policy: the policy :func:`mpjax.autocast` runs it under.
+    rules: autocast rules, or ``None``.
+    loss_scale: replay the gradient of the loss times this scale; ``None``:
+      ``fn`` itself.
+    shadow_all: compute every operation's f32 shadow (and keep its result),
+      not only the first non-finite one's.
+    stop_at_first: end the replay at the first non-finite operation.
+    max_replayed: how many operations to replay one by one; a loop's
+      iterations reached after that many run compiled, and are listed in
+      ``Replay.unchecked``.
+
+  Returns:
+    The :class:`Replay` (its ``ops`` and ``unchecked``) and the program's
+    outputs (``None`` when it stopped at the first non-finite operation).
   """
   program = autocast(fn, policy, rules=rules)
   if loss_scale is not None:
