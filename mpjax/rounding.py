@@ -20,10 +20,17 @@ leaf's index and each element's (:func:`random_bits`). So
 two runs from one state are bit-identical, a resumed run continues as an
 uninterrupted one, a skipped step (which keeps the optimizer state) changes
 nothing, and data-parallel replicas, which hold the same key, round alike.
+
+An optimizer that casts its own state, such as ``optax.adam(lr,
+mu_dtype=jnp.bfloat16)``, rounds that state to nearest inside ``tx.update``,
+before the rounded write sees it: stochastic rounding then keeps nothing for
+those leaves. Leave the optimizer's dtypes alone and set the policy's
+``opt_state_dtype`` instead (:func:`init_opt_state` warns).
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, NamedTuple
 
 import jax
@@ -32,15 +39,14 @@ import numpy as np
 import optax
 from jax import lax
 
-from mpjax._dtypes import is_floating
+from mpjax._dtypes import is_floating, to_f32
 
+# ROUNDINGS, uses_rounded_storage and random_bits are the library's own (policy.py and
+# train_step.py use them), not exported.
 __all__ = [
-  "ROUNDINGS",
   "RoundingState",
   "stochastic_round",
   "kahan_add",
-  "uses_rounded_storage",
-  "random_bits",
   "init_opt_state",
   "rounded_update",
   "state_bytes",
@@ -60,12 +66,22 @@ class RoundingState(NamedTuple):
   Attributes:
     inner: the optax optimizer's own state; its floating leaves of rank >= 1
       in the policy's ``opt_state_dtype``.
-    key: the raw ``uint32[2]`` data of the PRNG key the rounding draws from
-      (a plain array, so checkpoints keep it).
-    count: the updates applied (int32), folded into the key: each update
-      draws new bits; a skipped step, which keeps this state, draws none.
+    key: the key's data (``jax.random.key_data`` of the PRNG key the
+      rounding draws from: ``uint32[2]`` under the default threefry PRNG,
+      ``uint32[4]`` under rbg, of which the first two words are used), a
+      plain array, so checkpoints keep it.
+    count: the updates applied (int32), hashed with the key into each
+      update's seed: each update draws new bits; a skipped step, which keeps
+      this state, draws none.
     compensation: with ``rounding="kahan"``, what rounding each param lost,
       params-shaped, in the param dtype; ``None`` otherwise.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, mpjax
+    >>> params = {"w": jnp.zeros(3, jnp.bfloat16)}
+    >>> state = mpjax.init_opt_state(optax.sgd(1e-3), mpjax.get_policy("bf16_kahan"), params, 7)
+    >>> isinstance(state, mpjax.RoundingState), int(state.count), state.compensation["w"].dtype
+    (True, 0, dtype(bfloat16))
   """
 
   inner: optax.OptState
@@ -79,6 +95,18 @@ def uses_rounded_storage(policy: Any) -> bool:
 
   Such a policy's train state keeps a :class:`RoundingState` as its optimizer
   state, and its step runs the optimizer in f32 on the widened stored values.
+
+  Args:
+    policy: the :class:`mpjax.Policy`.
+
+  Returns:
+    Whether its ``opt_state_dtype`` is set or its ``rounding`` is not ``"nearest"``.
+
+  Example:
+    >>> import mpjax
+    >>> from mpjax.rounding import uses_rounded_storage
+    >>> [uses_rounded_storage(mpjax.get_policy(p)) for p in ("bf16_sr", "fp32")]
+    [True, False]
   """
   return policy.opt_state_dtype is not None or policy.rounding != "nearest"
 
@@ -181,11 +209,14 @@ def random_bits(key: jax.Array, count: jax.Array, stream: int, shape: tuple[int,
   fuses it into the kernel that writes the rounded values: no random-number
   kernel, no extra pass, and no per-leaf key derivation kernels
   (``jax.random.fold_in`` per leaf costs a small kernel each on a GPU). The
-  bits of an element depend on its global index only, so a sharded leaf
-  draws the same bits as an unsharded one.
+  index is the element's index in ``shape``: for a replicated leaf, or one
+  sharded by ``jax.jit`` (GSPMD partitions the iota), that is its global
+  index, so a sharded leaf draws the same bits as an unsharded one. Inside
+  ``shard_map`` ``shape`` is the local shard's, so every shard of a leaf
+  would draw the same pattern.
 
   Args:
-    key: ``uint32[2]`` key data (:attr:`RoundingState.key`).
+    key: the key's data (:attr:`RoundingState.key`; its first two words are used).
     count: the update count (int32).
     stream: which value is written (a leaf's index).
     shape: the shape of the bits.
@@ -223,20 +254,23 @@ def _stored(x: Any, dtype: Any) -> Any:
 
 
 def _key_data(key: jax.Array | int | None) -> jax.Array:
+  """The data of the rounding's key: from a typed key, an integer seed (a Python or numpy
+  integer, or a 0-d integer array) or key data."""
   if key is None:
     key = 0
-  if isinstance(key, int):
-    key = jax.random.key(key)
+  if not hasattr(key, "dtype"):
+    key = np.asarray(key)
   if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
     key = jax.random.key_data(key)
-  key = jnp.asarray(key, jnp.uint32)
+  elif jnp.ndim(key) == 0 and jnp.issubdtype(key.dtype, jnp.integer):
+    key = jax.random.key_data(jax.random.key(key))
   expected = jax.random.key_data(jax.random.key(0)).shape
-  if key.shape != expected:
+  if jnp.shape(key) != expected:
     raise ValueError(
-      f"rounding key: expected jax.random.key(seed), an int seed or uint32{list(expected)} "
-      f"key data, got shape {key.shape}."
+      f"rounding key: expected jax.random.key(seed), an integer seed or uint32{list(expected)} "
+      f"key data, got {jnp.result_type(key).name}{list(jnp.shape(key))}."
     )
-  return key
+  return jnp.asarray(key, jnp.uint32)
 
 
 def init_opt_state(
@@ -259,8 +293,8 @@ def init_opt_state(
     tx: any optax optimizer.
     policy: the :class:`mpjax.Policy`.
     params: the params, already in the policy's ``param_dtype``.
-    key: the rounding's PRNG key (``jax.random.key``), an int seed, or
-      ``None`` for seed 0.
+    key: the rounding's PRNG key (``jax.random.key``), an integer seed (also
+      ``np.int64`` or a 0-d integer array), or ``None`` for seed 0.
 
   Returns:
     The optimizer state.
@@ -276,15 +310,31 @@ def init_opt_state(
   if not uses_rounded_storage(policy):
     return tx.init(params)
   dtype = policy.param_dtype if policy.opt_state_dtype is None else policy.opt_state_dtype
-  inner = jax.tree.map(lambda x: _stored(x, dtype), tx.init(jax.tree.map(_widened, params)))
+  inner32 = tx.init(jax.tree.map(to_f32, params))
+  _warn_if_optimizer_casts(inner32, policy)
+  inner = jax.tree.map(lambda x: _stored(x, dtype), inner32)
   compensation = None
   if policy.rounding == "kahan":
     compensation = jax.tree.map(lambda p: jnp.zeros_like(p) if is_floating(p) else None, params)
   return RoundingState(inner, _key_data(key), jnp.zeros((), jnp.int32), compensation)
 
 
-def _widened(x: Any) -> Any:
-  return x.astype(jnp.float32) if is_floating(x) and jnp.finfo(x.dtype).bits < 32 else x
+def _warn_if_optimizer_casts(inner32: Any, policy: Any) -> None:
+  """Warns where the optimizer, initialised on f32 params, keeps per-parameter state in a
+  narrower dtype: it rounds that state to nearest itself, before a rounded write."""
+  narrow = {
+    np.dtype(x.dtype).name
+    for x in jax.tree.leaves(inner32)
+    if is_floating(x) and jnp.ndim(x) > 0 and jnp.finfo(x.dtype).bits < 32
+  }
+  if narrow and policy.rounding != "nearest":
+    warnings.warn(
+      f"init_opt_state: the optimizer keeps per-parameter state in {', '.join(sorted(narrow))} "
+      f"(e.g. optax.adam(..., mu_dtype=jnp.bfloat16)) and rounds it to nearest in tx.update, "
+      f"so policy {policy}'s rounding={policy.rounding!r} keeps nothing for it; leave the "
+      "optimizer's dtypes alone and set the policy's opt_state_dtype instead.",
+      stacklevel=3,
+    )
 
 
 def _write(new: Any, old: Any, rounding: str, state: RoundingState, stream: int) -> Any:
@@ -311,7 +361,8 @@ def rounded_update(
   stochastically (``"stochastic"``, and the optimizer state under
   ``"kahan"``), the params of ``"kahan"`` compensated, anything else to
   nearest. All of it is elementwise, so under ``jax.jit`` XLA fuses it into the
-  optimizer's kernels.
+  optimizer's kernels. A leaf the optimizer casts itself (``optax.adam(...,
+  mu_dtype=jnp.bfloat16)``) arrives rounded to nearest, and stays so.
 
   Args:
     tx: the optax optimizer.
@@ -340,9 +391,9 @@ def rounded_update(
       f"mpjax.RoundingState (from TrainState.create / mpjax.init_opt_state), got "
       f"{type(opt_state).__name__}."
     )
-  params32 = jax.tree.map(_widened, params)
-  inner32 = jax.tree.map(_widened, opt_state.inner)
-  updates, new_inner = tx.update(jax.tree.map(_widened, grads), inner32, params32)
+  params32 = jax.tree.map(to_f32, params)
+  inner32 = jax.tree.map(to_f32, opt_state.inner)
+  updates, new_inner = tx.update(jax.tree.map(to_f32, grads), inner32, params32)
   opt_rounding = "nearest" if policy.rounding == "nearest" else "stochastic"
   leaves, treedef = jax.tree.flatten(opt_state.inner)
   new_leaves = treedef.flatten_up_to(new_inner)
@@ -363,7 +414,7 @@ def rounded_update(
     compensation = p_treedef.unflatten(c for _, c in pairs)
   else:
     new_params = p_treedef.unflatten(
-      _write(_widened(p) + u, p, policy.rounding, opt_state, i) if is_floating(p) else p
+      _write(to_f32(p) + u, p, policy.rounding, opt_state, i) if is_floating(p) else p
       for i, (p, u) in enumerate(zip(p_leaves, u_leaves, strict=True))
     )
   return new_params, RoundingState(new_inner, opt_state.key, opt_state.count + 1, compensation)
@@ -371,6 +422,13 @@ def rounded_update(
 
 def state_bytes(params: Any, opt_state: Any) -> int:
   """The bytes of a train state's params and optimizer state (what each step reads and writes).
+
+  Args:
+    params: the params (arrays, or ``jax.ShapeDtypeStruct`` from ``jax.eval_shape``).
+    opt_state: the optimizer state (``state.opt_state``), the same.
+
+  Returns:
+    The bytes of their leaves that have a dtype, summed.
 
   Example:
     >>> import jax.numpy as jnp, optax, mpjax
