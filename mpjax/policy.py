@@ -92,6 +92,9 @@ class Policy:
       expectation) or ``"kahan"`` (bf16 params with a bf16 compensation buffer
       that keeps what rounding lost; the optimizer state rounded
       stochastically). See :mod:`mpjax.rounding` and the ``"bf16_sr"`` preset.
+      An optimizer that casts its own state (``optax.adam(lr,
+      mu_dtype=jnp.bfloat16)``) rounds it to nearest whatever this says: set
+      ``opt_state_dtype`` instead.
 
   Example:
     >>> import jax.numpy as jnp
@@ -178,15 +181,19 @@ class Policy:
 
     A field jmp has no key for is appended when not at its default, e.g.
     ``p=bf16,c=bf16,o=full,opt_state_dtype=bf16,rounding=stochastic``.
+    :func:`get_policy` reads it back for the dtypes, ``opt_state_dtype`` and
+    ``rounding``; not for an FP8 policy, whose ``fp8=Fp8Recipe(...)`` it
+    refuses (build that policy with ``mpjax.Policy(..., fp8=...)`` or the
+    ``"mixed_fp8"`` preset).
     """
 
     def show(value: Any) -> str:
       if isinstance(value, np.dtype):
-        return dtype_name(value)
+        return _dtype_name(value)
       return value if isinstance(value, str) else repr(value)
 
     dtypes = (self.param_dtype, self.compute_dtype, self.output_dtype)
-    parts = [f"{key}={dtype_name(dtype)}" for key, dtype in zip("pco", dtypes, strict=True)]
+    parts = [f"{key}={_dtype_name(dtype)}" for key, dtype in zip("pco", dtypes, strict=True)]
     parts += [f"{name}={show(value)}" for name, value in self._extra_fields()]
     return ",".join(parts)
 
@@ -203,10 +210,16 @@ def _check_rounding(policy: Policy) -> None:
       "rounding='stochastic' for bf16 params and optimizer state (the 'bf16_sr' preset)."
     )
   if policy.opt_state_dtype is not None and policy.opt_state_dtype not in (_F32, _BF16):
+    why = (
+      "fp16's range flushes Adam's second moment, a squared gradient, to zero"
+      if policy.opt_state_dtype == _F16
+      else f"the optimizer computes in float32, so {policy.opt_state_dtype.name} would only "
+      "store float32 values in more bytes"
+    )
     raise ValueError(
       f"Policy opt_state_dtype={policy.opt_state_dtype.name}: optimizer state is stored in "
-      "float32 or bfloat16 (fp16's range flushes Adam's second moment, a squared gradient, "
-      "to zero); use opt_state_dtype=jnp.bfloat16."
+      f"float32 or bfloat16 ({why}); use opt_state_dtype=jnp.bfloat16, or None to keep the "
+      "optimizer's own dtypes."
     )
   if rounding == "nearest":
     return
@@ -294,14 +307,8 @@ Example:
 _DTYPE_NAMES = {name: dtype for dtype, names in dtype_to_names.items() for name in names}
 
 
-def dtype_name(dtype: DTypeLike) -> str:
-  """The short name ``str(policy)`` prints for ``dtype``: jmp's, else numpy's.
-
-  Example:
-    >>> import jax.numpy as jnp, mpjax
-    >>> mpjax.policy.dtype_name(jnp.float16), mpjax.policy.dtype_name(jnp.float8_e4m3fn)
-    ('f16', 'float8_e4m3fn')
-  """
+def _dtype_name(dtype: DTypeLike) -> str:
+  """The short name ``str(policy)`` prints for ``dtype``: jmp's, else numpy's."""
   names = dtype_to_names.get(dtype)
   return names[0] if names else np.dtype(jnp.dtype(dtype)).name
 
@@ -405,7 +412,9 @@ def _spec_error(spec: Any, problem: str) -> ValueError:
     f"Cannot read precision policy {spec!r}: {problem}. Accepted forms: a preset "
     f"({', '.join(repr(n) for n in names)}); jmp's grammar such as "
     "'params=float32,compute=bfloat16,output=float32', 'p=f32,c=bf16' or a single dtype "
-    "('half', 'full', 'bf16', 'f16', 'f32'); a jmp.Policy; or an mpjax.Policy. "
+    "('half', 'full', 'bf16', 'f16', 'f32'), with mpjax's keys 'opt=' (or "
+    "'opt_state_dtype=') and 'rounding=' (e.g. 'p=bf16,c=bf16,o=f32,opt=bf16,"
+    "rounding=stochastic'); a jmp.Policy; or an mpjax.Policy. "
     f"Nearest preset: {nearest[0]!r}."
   )
 
@@ -430,9 +439,17 @@ def _parse_string(spec: str) -> tuple[Policy, str]:
     if sep and key == "rounding":
       storage["rounding"] = value
       continue
+    if key == "fp8":
+      raise ValueError(
+        f"Cannot read precision policy {spec!r}: an 'fp8=' key (str() of an FP8 policy) does "
+        "not read back; use the 'mixed_fp8' preset, or build the policy with "
+        "mpjax.Policy(..., fp8=mpjax.Fp8Recipe(...))."
+      )
     if not sep or key not in _KEYS:
       raise _spec_error(
-        spec, f"Unknown key {key!r}: {part.strip()!r} is not 'params=', 'compute=' or 'output='"
+        spec,
+        f"Unknown key {key!r}: {part.strip()!r} is not 'params=', 'compute=', 'output=', "
+        "'opt=', 'opt_state_dtype=' or 'rounding='",
       )
     dtypes[_KEYS[key]] = _parse_dtype(value, spec)
   # jmp's defaults: params f32, compute follows params, output follows compute.
@@ -480,7 +497,8 @@ def get_policy(spec: Policy | str | Any = "mixed_bf16") -> Policy:
   bf16 on CPUs with AVX512-BF16 or AMX, else fp32). Beyond jmp's keys, a
   spec may say ``opt=bf16`` (``opt_state_dtype``) and ``rounding=stochastic``
   (or ``nearest``, ``kahan``), e.g. ``"p=f32,c=bf16,o=f32,opt=bf16,rounding=stochastic"``
-  for f32 masters with bf16 moments; ``str(policy)`` reads back.
+  for f32 masters with bf16 moments; ``str(policy)`` reads back, except an FP8
+  policy's (an ``fp8=`` key is refused).
 
   When the environment variable ``MPJAX_POLICY`` is set, its value is resolved
   in place of ``spec`` (the way ``TF_ENABLE_AUTO_MIXED_PRECISION`` switches a
