@@ -364,6 +364,9 @@ class Experiment:
       policy=self.policy,
       loss_scale=LOSS_SCALES[config.loss_scale](),
       model_state=model_state,
+      # The stochastic rounding's key (bf16_sr, bf16_kahan), apart from the init's; it is
+      # kept in the optimizer state, so a resumed run takes it from the checkpoint.
+      rounding_key=jax.random.fold_in(jax.random.key(config.seed), 1),
     )
     # From host values, which every process computes alike, onto all devices.
     return jax.device_put(jax.device_get(state), NamedSharding(self.mesh, P()))
