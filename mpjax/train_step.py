@@ -192,10 +192,10 @@ def make_train_step(
       scaled (:class:`mpjax.StaticLossScale`, :class:`mpjax.DynamicLossScale`)
       or the policy computes in fp16, and no for fp32 and bf16 without loss
       scaling, whose step then costs what a plain optax step costs: the check
-      reads every gradient once more, and that read keeps XLA from fusing the
-      update into the GEMMs that produce them (on the CPU benchmark's
-      transformer, 1.055x the plain fp32 step's time against 0.999x unchecked,
-      ``results/cpu/bench.json``).
+      reads every gradient once more, which can keep XLA from fusing the
+      update into the GEMMs that produce them and can cost step time (the CPU
+      benchmark's transformer: 1.055x the fp32 step's time against 0.999x
+      unchecked; its MLP: 0.967x against 0.988x, ``results/cpu/bench.json``).
       ``True`` adds the check anywhere (``optax.apply_if_finite``'s guard, at
       no copy of the state); ``False`` with a dynamic loss scale is refused,
       as its scale could never come down.
@@ -509,11 +509,11 @@ _Operands = tuple[Any, Any, Any, Any, Any, Any, Any]
 
 
 def _update(
-  tx: optax.GradientTransformation, operands: _Operands, policy: Policy | None = None
+  tx: optax.GradientTransformation, operands: _Operands, policy: Policy
 ) -> tuple[Any, Any, Any, Any]:
   """The optax update: new params, optimizer state, model state and FP8 state."""
   params, opt_state, _, _, grads, new_model_state, new_fp8 = operands
-  if policy is not None and uses_rounded_storage(policy):  # f32 update, rounded writes
+  if uses_rounded_storage(policy):  # f32 update, rounded writes
     return (*rounded_update(tx, policy, grads, opt_state, params), new_model_state, new_fp8)
   updates, new_opt_state = tx.update(_like(grads, params), opt_state, params)
   # apply_updates keeps each param's dtype; optimizers may not keep theirs.
