@@ -423,7 +423,7 @@ def fp8_against_bf16(reports: dict[str, Any]) -> str:
   )
 
 
-def _compile_record(target: str, gemm_backend: str) -> dict[str, Any]:
+def compile_record(target: str, gemm_backend: str) -> dict[str, Any]:
   """How ``--target`` compiled: the GEMM mode, the XLA options and flags, the versions."""
   import importlib.metadata
 
@@ -561,7 +561,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, dict[str, float]]
       print(tables[-1], end="\n\n", flush=True)
     if args.json:
       with open(args.json, "w") as f:
-        compiled = _compile_record(args.target, args.gemm_backend)
+        compiled = compile_record(args.target, args.gemm_backend)
         json.dump({**compiled, "results": record, "markdown": "\n\n".join(tables)}, f, indent=2)
     return record
   keras = args.keras == "yes" or (args.keras == "auto" and not args.small)

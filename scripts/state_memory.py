@@ -29,7 +29,7 @@ import optax
 import mpjax
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench import MLP, TransformerLM  # noqa: E402  (scripts/ is not a package)
+from bench import MLP, TransformerLM, compile_record  # noqa: E402  (scripts/ is not a package)
 
 POLICIES = ("fp32", "mixed_bf16", "pure_bf16", "bf16_sr", "bf16_kahan")
 
@@ -123,32 +123,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--target", default="h100", help="a GPU target (mpjax.TARGETS)")
   parser.add_argument("--models", default="mlp,transformer")
-  parser.add_argument("--policies", default=",".join(POLICIES), help="fp32 first")
+  parser.add_argument(
+    "--policies", default=",".join(POLICIES), help="comma-separated; must include fp32 (the base)"
+  )
   parser.add_argument("--small", action="store_true", help="tiny models (for the tests)")
   parser.add_argument("--json", default="", help="write the figures here")
   args = parser.parse_args(argv)
-  import importlib.metadata
-
-  import jaxlib
-
-  plugins = {}
-  for plugin in ("jax-cuda12-pjrt", "jax-cuda13-pjrt"):
-    try:
-      plugins[plugin] = importlib.metadata.version(plugin)
-    except importlib.metadata.PackageNotFoundError:
-      pass
+  policies = tuple(p.strip() for p in args.policies.split(","))
+  if "fp32" not in policies:
+    parser.error(
+      f"--policies {args.policies}: must include fp32, the policy the kernel and byte ratios "
+      "are taken against"
+    )
   record: dict[str, Any] = {
     "command": " ".join(["python", "scripts/state_memory.py", *(argv or sys.argv[1:])]),
-    "target": args.target,
-    "gemm_backend": "default",
-    "jax": jax.__version__,
-    "jaxlib": jaxlib.__version__,
-    "compiler_plugins": plugins,
-    "XLA_FLAGS": os.environ.get("XLA_FLAGS", ""),
+    **compile_record(args.target, "default"),
     "results": {},
   }
   for name in args.models.split(","):
-    policies = tuple(args.policies.split(","))
     record["results"][name] = results = measure(name, args.target, args.small, policies)
     print(table(name, results) + "\n")
   if args.json:
