@@ -171,3 +171,24 @@ def test_a_numpy_float64_batch_is_cast_like_f32_unless_x64_is_on():
     assert policy.cast_to_compute(batch)["x"].dtype == np.float64  # x64 on: float64 is asked for
   finally:
     jax.config.update("jax_enable_x64", False)
+
+
+def test_str_of_an_fp8_policy_is_refused_with_the_fix():
+  with pytest.raises(ValueError, match="'fp8=' key .* does not read back; use the 'mixed_fp8'"):
+    mpjax.get_policy(str(mpjax.get_policy("mixed_fp8")))
+
+
+def test_unknown_key_and_accepted_forms_name_the_storage_keys():
+  with pytest.raises(ValueError) as info:
+    mpjax.get_policy("p=f32,moments=bf16")
+  message = str(info.value)
+  assert (
+    "not 'params=', 'compute=', 'output=', 'opt=', 'opt_state_dtype=' or 'rounding='" in message
+  )
+  assert "opt=bf16,rounding=stochastic" in message
+
+
+def test_a_float64_opt_state_dtype_is_refused_for_its_own_reason():
+  with pytest.raises(ValueError, match="opt_state_dtype=float64") as info:
+    mpjax.Policy(jnp.float32, jnp.bfloat16, jnp.float32, opt_state_dtype=jnp.float64)
+  assert "fp16" not in str(info.value) and "computes in float32" in str(info.value)

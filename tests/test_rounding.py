@@ -343,3 +343,46 @@ def test_h100_step_of_bf16_sr_costs_no_byte_and_no_kernel_per_leaf_over_nearest(
   assert r["bf16_sr"]["bytes_moved"] <= r["pure_bf16"]["bytes_moved"] * 1.1
   assert r["bf16_sr"]["kernels"] <= r["pure_bf16"]["kernels"] + 1
   assert r["bf16_sr"]["kernels"] <= r["fp32"]["kernels"] * 1.05
+
+
+def test_the_rounding_key_takes_numpy_and_0d_integer_seeds_in_and_out_of_jit():
+  tx, params = optax.sgd(1e-3), {"w": jnp.zeros(3, BF16)}
+  policy = mpjax.get_policy("bf16_sr")
+  expected = np.asarray(mpjax.init_opt_state(tx, policy, params, jax.random.key(3)).key)
+  init = jax.jit(lambda seed: mpjax.init_opt_state(tx, policy, params, seed).key)
+  for seed in (3, np.int64(3), np.uint32(3), np.array(3), jnp.int32(3)):
+    np.testing.assert_array_equal(mpjax.init_opt_state(tx, policy, params, seed).key, expected)
+  np.testing.assert_array_equal(init(jnp.int32(3)), expected)
+  with pytest.raises(ValueError, match=r"got float32\[\]"):
+    mpjax.init_opt_state(tx, policy, params, np.float32(3))
+
+
+def test_an_optimizer_that_rounds_its_own_state_is_warned_of():
+  params = {"w": jnp.zeros(3, BF16)}
+  with pytest.warns(UserWarning, match="mu_dtype=jnp.bfloat16.*opt_state_dtype instead"):
+    mpjax.TrainState.create(
+      apply_fn=None, params=params, tx=optax.adam(1e-3, mu_dtype=BF16), policy="bf16_sr"
+    )
+
+
+def test_experiment_rounding_key_follows_the_seed():
+  ex = pytest.importorskip("mpjax.experiment")
+  tiny = ["model.features=()"]  # the head alone: the state without a hidden layer to initialise
+  keys = [
+    np.asarray(
+      ex.Experiment(ex.load_config("digits_mlp", ["policy=bf16_sr", f"seed={seed}", *tiny]))
+      .init_state()
+      .opt_state.key
+    )
+    for seed in (1, 2)
+  ]
+  assert not np.array_equal(keys[0], keys[1])
+
+
+def test_state_memory_without_fp32_is_refused_at_parsing(capsys):
+  sys.path.insert(0, str(os.path.join(os.path.dirname(__file__), "..", "scripts")))
+  import state_memory
+
+  with pytest.raises(SystemExit):
+    state_memory.main(["--small", "--models", "mlp", "--policies", "pure_bf16,bf16_sr"])
+  assert "must include fp32" in capsys.readouterr().err
