@@ -271,7 +271,10 @@ import jax, jax.numpy as jnp, numpy as np, optax, mpjax
 from jax.sharding import NamedSharding, PartitionSpec as P
 import flax.linen as nn
 assert jax.device_count() == 8
-mesh = jax.make_mesh((8,), ("data",))
+# Auto axes, as data parallelism is usually written: under jax 0.12's Explicit axes (the
+# default of make_mesh) the gradient of optax's integer-label cross entropy is refused by JAX
+# itself, mpjax or not (an ambiguous scatter sharding).
+mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
 model = nn.Sequential([nn.Dense(64), nn.gelu, nn.Dense(4)])
 def loss_fn(params, batch):
   logits = model.apply(params, batch["x"]).astype(jnp.float32)
