@@ -49,7 +49,7 @@ from mpjax.rounding import rounded_update as rounded_update
 from mpjax.rounding import state_bytes as state_bytes
 from mpjax.rounding import stochastic_round as stochastic_round
 from mpjax.train_state import TrainState as TrainState
-from mpjax.train_step import init_fp8_state as init_fp8_state
+from mpjax.train_state import init_fp8_state as init_fp8_state
 from mpjax.train_step import make_train_step as make_train_step
 from mpjax.xla import configure_xla as configure_xla
 from mpjax.xla import pad_to_multiple as pad_to_multiple

@@ -32,7 +32,7 @@ import jax
 # below import from it when they run, so that without it a command says what to install.
 from mpjax._extras import MissingExtraError, require_experiments
 from mpjax.policy import POLICY_ENV_VAR
-from mpjax.train_step import init_fp8_state
+from mpjax.train_state import init_fp8_state
 
 if TYPE_CHECKING:
   from mpjax.audit import AuditReport

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextvars
 from collections.abc import Callable
 from typing import Any
 
@@ -16,7 +17,11 @@ from mpjax.loss_scale import DynamicLossScale, LossScale, NoOpLossScale
 from mpjax.policy import Policy, get_policy
 from mpjax.rounding import init_opt_state
 
-__all__ = ["TrainState"]
+__all__ = ["TrainState", "init_fp8_state"]
+
+# True while init_fp8_state traces the step to make the FP8 state (the step then
+# has nothing to say about making it itself).
+MAKING_FP8_STATE = contextvars.ContextVar("making_fp8_state", default=False)
 
 
 def default_loss_scale(policy: Policy) -> LossScale:
@@ -50,8 +55,9 @@ class TrainState(struct.PyTreeNode):
       the optimizer. An empty dict for models without any.
     fp8: for an FP8 policy with delayed scaling, an :class:`mpjax.Fp8State`
       (the scales and amax histories of every FP8 GEMM); ``None`` otherwise,
-      and at creation: the first step makes it (or
-      :func:`mpjax.init_fp8_state`), each step moves it on, a skipped step
+      until it is made: by :meth:`create` given the step and a batch, by
+      :func:`mpjax.init_fp8_state`, or else by the first step (which then
+      compiles again on the second). Each step moves it on, a skipped step
       leaves it.
     apply_fn: the model's apply function (static), e.g. ``model.apply``.
     tx: the optax optimizer (static).
@@ -91,6 +97,8 @@ class TrainState(struct.PyTreeNode):
     loss_scale: LossScale | None = None,
     model_state: Any = None,
     rounding_key: jax.Array | int | None = None,
+    train_step: Callable[[TrainState, Any], Any] | None = None,
+    example_batch: Any = None,
   ) -> TrainState:
     """Builds a state with step 0 and the optimizer initialised on the master params.
 
@@ -108,6 +116,14 @@ class TrainState(struct.PyTreeNode):
       rounding_key: for a policy that rounds stochastically (``"bf16_sr"``),
         the key its random bits come from: ``jax.random.key(seed)`` or an int
         seed; ``None`` means seed 0. Ignored by other policies.
+      train_step: with ``example_batch``, the step the state will train with
+        (from :func:`mpjax.make_train_step`, jitted or not). For an FP8 policy
+        with delayed scaling, the state is made with its FP8 state
+        (:func:`mpjax.init_fp8_state`: the step is traced for shapes, nothing
+        runs), so the jitted step compiles once, not again on its second call.
+        Ignored by other policies, so code that switches policies can always
+        pass them.
+      example_batch: a batch of the shapes ``train_step`` trains on.
 
     Returns:
       The new state.
@@ -115,9 +131,21 @@ class TrainState(struct.PyTreeNode):
     Raises:
       ValueError: if the policy cannot be read or ``params`` holds no floating
         leaf to train.
-      TypeError: if ``tx`` or ``loss_scale`` is of the wrong kind.
+      TypeError: if ``tx`` or ``loss_scale`` is of the wrong kind, or only one
+        of ``train_step`` and ``example_batch`` is given.
     """
     policy = get_policy(policy)
+    if (train_step is None) != (example_batch is None):
+      given, missing = (
+        ("train_step", "example_batch")
+        if example_batch is None
+        else ("example_batch", "train_step")
+      )
+      raise TypeError(
+        f"TrainState.create: {given} was given without {missing}; the FP8 state is sized by "
+        "tracing the step on a batch, so pass both (train_step=step, example_batch=batch) or "
+        "neither."
+      )
     if not isinstance(tx, optax.GradientTransformation):
       raise TypeError(
         f"TrainState.create: tx must be an optax.GradientTransformation such as "
@@ -144,7 +172,7 @@ class TrainState(struct.PyTreeNode):
     loss_scale = jax.tree.map(lambda x: _own(x, x), loss_scale)
     model_state = {} if model_state is None else model_state
     model_state = jax.tree.map(_own, cast_floating(model_state, jnp.float32), model_state)
-    return cls(
+    state = cls(
       step=jnp.zeros((), jnp.int32),
       params=params,
       opt_state=init_opt_state(tx, policy, params, rounding_key),
@@ -156,3 +184,51 @@ class TrainState(struct.PyTreeNode):
       tx=tx,
       policy=policy,
     )
+    if train_step is None:
+      return state
+    return init_fp8_state(train_step, state, example_batch)
+
+
+def init_fp8_state(
+  step: Callable[[TrainState, Any], Any], state: TrainState, batch: Any
+) -> TrainState:
+  """``state`` with the FP8 delayed-scaling state its first step would make.
+
+  The first step of an FP8 policy makes ``state.fp8`` (an
+  :class:`mpjax.Fp8State`, a row per FP8 GEMM) itself, and a jitted step then
+  compiles again on its second call (the state's structure changed). Making it
+  first compiles the step once: ``TrainState.create(..., train_step=step,
+  example_batch=batch)`` calls this; call it yourself for a state made
+  otherwise, e.g. the target to restore an FP8 run's checkpoint into. Traces
+  ``step`` (shapes only; nothing runs). A state that has it, or a policy
+  without FP8, comes back as it is.
+
+  Args:
+    step: the train step (from :func:`mpjax.make_train_step`, jitted or not).
+    state: a state from :meth:`TrainState.create`.
+    batch: a batch of the shapes the step trains on.
+
+  Returns:
+    The state with ``fp8`` filled: scales of 1, empty histories.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, flax.linen as nn
+    >>> import mpjax
+    >>> model = nn.Sequential([nn.Dense(32), nn.relu, nn.Dense(32), nn.relu, nn.Dense(1)])
+    >>> x = jnp.ones((16, 32))
+    >>> state = mpjax.TrainState.create(apply_fn=model.apply,
+    ...     params=model.init(jax.random.key(0), x), tx=optax.sgd(0.1), policy="mixed_fp8")
+    >>> step = mpjax.make_train_step(lambda p, b: jnp.mean(model.apply(p, b) ** 2))
+    >>> mpjax.init_fp8_state(step, state, x).fp8.gemms  # the middle Dense; first and last bf16
+    1
+  """
+  if state.fp8 is not None or state.policy.fp8 is None:
+    return state
+  token = MAKING_FP8_STATE.set(True)
+  try:
+    made = jax.eval_shape(step, state, batch)[0].fp8
+  finally:
+    MAKING_FP8_STATE.reset(token)
+  if made is None:  # current scaling, or no FP8 GEMM
+    return state
+  return state.replace(fp8=Fp8State.initial(state.policy.fp8, made.gemms))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextvars
 import functools
 import logging
 from collections.abc import Callable, Hashable, Mapping, Sequence
@@ -27,9 +26,9 @@ from mpjax.loss_scale import (
 )
 from mpjax.policy import Policy
 from mpjax.rounding import rounded_update, uses_rounded_storage
-from mpjax.train_state import TrainState
+from mpjax.train_state import MAKING_FP8_STATE, TrainState
 
-__all__ = ["make_train_step", "init_fp8_state"]
+__all__ = ["make_train_step"]
 
 LossFn = Callable[[Any, Any], Any]
 StepFn = Callable[[TrainState, Any], tuple[TrainState, dict[str, Any]]]
@@ -350,17 +349,14 @@ def _with_model_state(loss_fn: LossFn) -> Callable[..., Any]:
   return model_fn
 
 
-# True while init_fp8_state traces the step to make the state (then nothing is to be said).
-_making_fp8_state = contextvars.ContextVar("making_fp8_state", default=False)
-
-
 def _log_fp8_state_made_in_step() -> None:
   """Says (at trace time) that the FP8 state is made in the step, and how to compile once."""
-  if _making_fp8_state.get():
+  if MAKING_FP8_STATE.get():
     return
   logging.getLogger("mpjax").warning(
     "mpjax: the FP8 state is made by the first train step, so a jitted step compiles again on "
-    "the second (the state's structure changes). To compile once, make it first: "
+    "the second (the state's structure changes). To compile once, make it with the state: "
+    "mpjax.TrainState.create(..., train_step=step, example_batch=batch), or "
     "state = mpjax.init_fp8_state(step, state, batch) (mpjax train does)."
   )
 
@@ -563,44 +559,3 @@ def _apply_if_finite(state: TrainState, operands: _Operands, grads_finite: jax.A
     model_state=model_state,
     fp8=fp8_state,
   )
-
-
-def init_fp8_state(step: StepFn, state: TrainState, batch: Any) -> TrainState:
-  """``state`` with the FP8 delayed-scaling state its first step would make.
-
-  The first step of an FP8 policy makes ``state.fp8`` (an
-  :class:`mpjax.Fp8State`, a row per FP8 GEMM) itself; call this to have it before
-  that step, e.g. as the target to restore an FP8 run's checkpoint into, or to
-  compile the step once rather than twice. Traces ``step`` (shapes only;
-  nothing runs). A state that has it, or a policy without FP8, comes back as
-  it is.
-
-  Args:
-    step: the train step (from :func:`mpjax.make_train_step`, jitted or not).
-    state: a state from :meth:`TrainState.create`.
-    batch: a batch of the shapes the step trains on.
-
-  Returns:
-    The state with ``fp8`` filled: scales of 1, empty histories.
-
-  Example:
-    >>> import jax, jax.numpy as jnp, optax, flax.linen as nn
-    >>> import mpjax
-    >>> model = nn.Sequential([nn.Dense(32), nn.relu, nn.Dense(32), nn.relu, nn.Dense(1)])
-    >>> x = jnp.ones((16, 32))
-    >>> state = mpjax.TrainState.create(apply_fn=model.apply,
-    ...     params=model.init(jax.random.key(0), x), tx=optax.sgd(0.1), policy="mixed_fp8")
-    >>> step = mpjax.make_train_step(lambda p, b: jnp.mean(model.apply(p, b) ** 2))
-    >>> mpjax.init_fp8_state(step, state, x).fp8.gemms  # the middle Dense; first and last bf16
-    1
-  """
-  if state.fp8 is not None or state.policy.fp8 is None:
-    return state
-  token = _making_fp8_state.set(True)
-  try:
-    made = jax.eval_shape(step, state, batch)[0].fp8
-  finally:
-    _making_fp8_state.reset(token)
-  if made is None:  # current scaling, or no FP8 GEMM
-    return state
-  return state.replace(fp8=Fp8State.initial(state.policy.fp8, made.gemms))

@@ -6,10 +6,14 @@ import re
 import sys
 
 import chex
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import optax
 import pytest
 from flax import nnx
+
+import mpjax
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -50,6 +54,22 @@ def test_every_readme_code_block_runs_after_the_quickstart():
   params = namespace["Classifier"]().init(jax.random.key(0), x)
   assert namespace["Classifier"]().apply(params, x).dtype == jnp.bfloat16
   assert namespace["net"].body.dtype == jnp.bfloat16 and namespace["net"].head.dtype is None
+
+
+def test_fp8_doc_example_makes_the_state_with_the_step_and_compiles_it_once():
+  model = nn.Sequential([nn.Dense(32), nn.relu, nn.Dense(32), nn.relu, nn.Dense(4)])
+  batch = jax.random.normal(jax.random.key(0), (16, 8))
+
+  def loss_fn(params, x):
+    return jnp.mean(model.apply(params, x).astype(jnp.float32) ** 2)
+
+  params = model.init(jax.random.key(1), batch)
+  ns = dict(jax=jax, mpjax=mpjax, model=model, params=params, tx=optax.adam(1e-3))
+  ns.update(loss_fn=loss_fn, batch=batch)
+  _run_section("docs/fp8.md", "# FP8 training", ns)
+  assert ns["state"].fp8.gemms == 1 and int(ns["state"].step) == 1
+  ns["step"](ns["state"], batch)
+  assert ns["step"]._cache_size() == 1
 
 
 def test_readme_numerics_test_file_passes():

@@ -426,3 +426,56 @@ def test_model_state_loss_fn_must_return_a_pair():
   step = mpjax.make_train_step(lambda p, s, b: loss_fn(p, b), with_model_state=True)
   with pytest.raises(ValueError, match=r"\(loss, new_model_state\)"):
     jax.jit(step)(state, _batch())
+
+
+def test_a_state_created_with_its_step_compiles_the_fp8_step_once(caplog):
+  batch = _batch()
+  # Premise: a state created without the step makes its FP8 state in the first
+  # step, and the jitted step compiles again on the second (and says so).
+  step = jax.jit(mpjax.make_train_step(loss_fn))
+  plain = _state("mixed_fp8")
+  assert plain.fp8 is None
+  with caplog.at_level("WARNING", logger="mpjax"):
+    made, _ = step(plain, batch)
+    step(made, batch)
+  assert step._cache_size() == 2
+  assert "train_step=step, example_batch=batch" in caplog.text
+  caplog.clear()
+
+  step = jax.jit(mpjax.make_train_step(loss_fn))
+  with caplog.at_level("WARNING", logger="mpjax"):
+    state = _state("mixed_fp8", train_step=step, example_batch=batch)
+    assert step._cache_size() == 0  # traced for shapes only, nothing compiled
+    assert isinstance(state.fp8, mpjax.Fp8State) and state.fp8.gemms == made.fp8.gemms == 1
+    first, _ = step(state, batch)
+    second, _ = step(first, batch)
+  assert step._cache_size() == 1
+  assert caplog.text == ""
+  assert int(second.step) == 2
+  # Its first step is the one the plain state takes (scales of 1, empty history).
+  for a, b in zip(
+    jax.tree.leaves((first.params, first.fp8)),
+    jax.tree.leaves((made.params, made.fp8)),
+    strict=True,
+  ):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_create_given_the_step_for_a_policy_without_fp8_state_changes_nothing():
+  batch = _batch()
+  step = jax.jit(mpjax.make_train_step(loss_fn))
+  for policy in ("mixed_bf16", "fp32"):
+    state = _state(policy, train_step=step, example_batch=batch)
+    assert state.fp8 is None
+  current = mpjax.Policy(
+    jnp.float32, jnp.bfloat16, jnp.float32, fp8=mpjax.Fp8Recipe(scaling="current")
+  )
+  assert _state(current, train_step=step, example_batch=batch).fp8 is None
+
+
+@pytest.mark.parametrize("given", ["train_step", "example_batch"])
+def test_create_refuses_the_step_without_a_batch_and_the_other_way(given):
+  kwargs = {"train_step": mpjax.make_train_step(loss_fn), "example_batch": _batch()}
+  missing = next(k for k in kwargs if k != given)
+  with pytest.raises(TypeError, match=f"{given} was given without {missing}.*pass both"):
+    _state("mixed_fp8", **{given: kwargs[given]})

@@ -15,7 +15,7 @@ import orbax.checkpoint as ocp
 
 from mpjax.diagnose import find_nonfinite, suggest_rules
 from mpjax.experiment.config import RESUMABLE_KEYS, ConfigError, Experiment
-from mpjax.train_step import init_fp8_state
+from mpjax.train_state import init_fp8_state
 
 __all__ = ["diagnose"]
 

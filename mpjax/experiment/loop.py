@@ -38,8 +38,7 @@ from mpjax.experiment.run_dir import (
 )
 from mpjax.loss_scale import DynamicLossScale
 from mpjax.policy import POLICY_ENV_VAR
-from mpjax.train_state import TrainState
-from mpjax.train_step import init_fp8_state
+from mpjax.train_state import TrainState, init_fp8_state
 
 __all__ = ["DIVERGED_EXIT_STATUS", "train"]
 
