@@ -217,8 +217,8 @@ def _run(
       raise ValueError(
         f"FP8 state: the train state holds the state of {scales.shape[0]} FP8 GEMMs but the "
         f"loss function has {0 if fp8 is None else fp8.used}; was the state made for another "
-        "model? Start from TrainState.create (its first step makes the state), or "
-        "mpjax.init_fp8_state."
+        "model? Make the state with this step: TrainState.create(..., train_step=step, "
+        "example_batch=batch), or mpjax.init_fp8_state(step, state, batch)."
       )
     return outs
 

@@ -1078,5 +1078,5 @@ def test_a_state_made_for_another_model_is_refused_by_name(rows):
   state = _state()
   assert mpjax.init_fp8_state(step, state, _batch()).fp8.gemms == len(MIDDLE)  # the premise
   wrong = state.replace(fp8=mpjax.Fp8State.initial(state.policy.fp8, rows))
-  with pytest.raises(ValueError, match=f"holds the state of {rows} FP8 GEMMs"):
+  with pytest.raises(ValueError, match=f"holds the state of {rows} FP8 GEMMs.*train_step=step"):
     step(wrong, _batch())
