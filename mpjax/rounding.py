@@ -231,12 +231,25 @@ def random_bits(key: jax.Array, count: jax.Array, stream: int, shape: tuple[int,
     >>> 0.49 < float(jnp.mean((bits >> 31).astype(jnp.float32))) < 0.51
     True
   """
+  seed0, seed1 = _seeds(key, count, np.asarray([stream]))
+  return _bits(seed0[0], seed1[0], shape)
+
+
+def _seeds(key: jax.Array, count: jax.Array, streams: np.ndarray) -> tuple[jax.Array, jax.Array]:
+  """The two per-value seeds of :func:`random_bits` for each of ``streams``, as ``uint32[n]``
+  vectors: one small computation for every value a step writes, not a scalar chain each."""
   u32 = jnp.uint32
   key = key.astype(u32)
   step = _fmix32(key[1] + count.astype(u32) * u32(0x9E3779B9))
-  leaf = u32((stream * 0x7F4A7C15 + 0x632BE5AB) & 0xFFFFFFFF)
+  leaf = jnp.asarray((streams.astype(np.uint64) * 0x7F4A7C15 + 0x632BE5AB) & 0xFFFFFFFF, u32)
   seed0 = _fmix32(step ^ key[0] ^ leaf)
   seed1 = _fmix32(seed0 + leaf + u32(0x2545F491))
+  return seed0, seed1
+
+
+def _bits(seed0: jax.Array, seed1: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+  """Each element's bits of ``shape``: its flat index hashed with the value's two seeds."""
+  u32 = jnp.uint32
   index = jnp.zeros(shape, u32)
   stride = 1
   for axis in reversed(range(len(shape))):
@@ -337,14 +350,14 @@ def _warn_if_optimizer_casts(inner32: Any, policy: Any) -> None:
     )
 
 
-def _write(new: Any, old: Any, rounding: str, state: RoundingState, stream: int) -> Any:
-  """``new`` (f32) written to ``old``'s dtype: stochastically for bf16 unless nearest."""
+def _write(new: Any, old: Any, rounding: str, seeds: tuple[jax.Array, jax.Array] | None) -> Any:
+  """``new`` (f32) written to ``old``'s dtype: stochastically for bf16 unless nearest, with the
+  random bits of the value's two seeds (:func:`_seeds`)."""
   if not is_floating(old) or new is None:
     return new
   if rounding == "nearest" or np.dtype(old.dtype) != _BF16:
     return new.astype(old.dtype)
-  bits = random_bits(state.key, state.count, stream, jnp.shape(new))
-  return stochastic_round(new, bits, old.dtype)
+  return stochastic_round(new, _bits(*seeds, jnp.shape(new)), old.dtype)
 
 
 def rounded_update(
@@ -396,12 +409,24 @@ def rounded_update(
   updates, new_inner = tx.update(jax.tree.map(to_f32, grads), inner32, params32)
   opt_rounding = "nearest" if policy.rounding == "nearest" else "stochastic"
   leaves, treedef = jax.tree.flatten(opt_state.inner)
+  p_leaves, p_treedef = jax.tree.flatten(params)
+  # Every value's seeds in one vector, one small kernel, rather than a chain of scalar kernels
+  # per step; the same-shaped updates that share that vector fuse into one kernel (bits as
+  # random_bits draws them: leaf i of the params is stream i, of the optimizer state
+  # _OPT_STREAM + i). Round to nearest needs none.
+  count, seeds = opt_state.count, [None] * (len(p_leaves) + len(leaves))
+  if policy.rounding != "nearest":
+    streams = np.concatenate([np.arange(len(p_leaves)), _OPT_STREAM + np.arange(len(leaves))])
+    seed0, seed1 = _seeds(opt_state.key, count, streams)
+    # The count's increment after the seeds: it then overwrites the donated count in place,
+    # not a copy of it (XLA copies an input that an unordered reader still needs).
+    (seed0, seed1), count = lax.optimization_barrier(((seed0, seed1), count))
+    seeds = [(seed0[i], seed1[i]) for i in range(len(streams))]
   new_leaves = treedef.flatten_up_to(new_inner)
   new_inner = treedef.unflatten(
-    _write(n, o, opt_rounding, opt_state, _OPT_STREAM + i)
+    _write(n, o, opt_rounding, seeds[len(p_leaves) + i])
     for i, (n, o) in enumerate(zip(new_leaves, leaves, strict=True))
   )
-  p_leaves, p_treedef = jax.tree.flatten(params)
   u_leaves = p_treedef.flatten_up_to(updates)
   compensation = opt_state.compensation
   if policy.rounding == "kahan":
@@ -414,10 +439,10 @@ def rounded_update(
     compensation = p_treedef.unflatten(c for _, c in pairs)
   else:
     new_params = p_treedef.unflatten(
-      _write(to_f32(p) + u, p, policy.rounding, opt_state, i) if is_floating(p) else p
+      _write(to_f32(p) + u, p, policy.rounding, seeds[i]) if is_floating(p) else p
       for i, (p, u) in enumerate(zip(p_leaves, u_leaves, strict=True))
     )
-  return new_params, RoundingState(new_inner, opt_state.key, opt_state.count + 1, compensation)
+  return new_params, RoundingState(new_inner, opt_state.key, count + 1, compensation)
 
 
 def state_bytes(params: Any, opt_state: Any) -> int:
