@@ -379,6 +379,10 @@ def test_bench_target_prints_kernel_tables_with_ratios(tmp_path):
   results = record["results"]["mlp"]
   assert {"plain fp32", "mpjax mixed_bf16 autocast", "flax dtype=bf16", "jmp cast"} <= set(results)
   assert results["plain fp32"]["kernels"] > 0 and results["plain fp32"]["gemm_flops"] > 0
+  # The FP8 head variant: the recipe's default keeps the last layer bf16, this one does not.
+  fp8, head = results["mpjax mixed_fp8 autocast"], results["mpjax mixed_fp8 autocast, FP8 head"]
+  assert 0 < fp8["fp8_gemms"] < head["fp8_gemms"]
+  assert "With the output head in FP8 too (keep_bf16=('first',))" in result.stdout
   # The record says how it compiled: the mode, the XLA options and flags, the versions.
   assert (record["gemm_backend"], record["gemm_mode"]) == ("default", mode)
   assert record["xla_options"] == {"xla_gpu_enable_triton_gemm": True}
