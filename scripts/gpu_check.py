@@ -16,8 +16,9 @@ in about four minutes there), run on that machine's own jax. In one process it:
    seq 1024, batch 8). Variants: fp32 at the default matmul precision (TF32 on
    Ampere and later), ``mixed_bf16`` (mpjax autocast), ``mixed_fp8`` (delayed
    scaling) compiled twice from one trace, in XLA's default mode and with the
-   compile option ``xla_gpu_enable_triton_gemm=False``, the Flax
-   ``dtype=bfloat16`` peer and jmp's bf16 compute. Each variant is compiled
+   compile option ``xla_gpu_enable_triton_gemm=False``, ``mixed_fp8`` with the
+   output head in FP8 too (``Fp8Recipe(keep_bf16=("first",))``, default mode),
+   the Flax ``dtype=bfloat16`` peer and jmp's bf16 compute. Each variant is compiled
    once; steps run with the state donated, warmed up, then the median of
    interleaved rounds. Per variant: step ms, ratio to fp32, MFU (the step's
    GEMM FLOPs from :func:`mpjax.audit.audit_jaxpr` of the fp32 step, over the
@@ -114,6 +115,7 @@ VARIANTS = {  # label: (bench variant, compile options)
   "mixed_bf16 (mpjax autocast)": ("mpjax mixed_bf16 autocast", {}),
   "mixed_fp8 (XLA default)": ("mpjax mixed_fp8 autocast", {}),
   "mixed_fp8 (Triton GEMMs off)": ("mpjax mixed_fp8 autocast", TRITON_OFF),
+  "mixed_fp8, FP8 head (XLA default)": (bench.FP8_HEAD_LABEL, {}),
   "flax dtype=bf16": ("flax dtype=bf16", {}),
   "jmp (bf16 compute)": ("jmp cast", {}),
 }

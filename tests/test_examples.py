@@ -177,9 +177,11 @@ def test_gpu_check_script_runs_small(tmp_path, capsys):
   assert figures["variants_compiled"]["mixed_fp8 (Triton GEMMs off)"] == {
     "xla_gpu_enable_triton_gemm": False
   }
-  for fp8 in (off["fp8"], default["fp8"]):  # XLA:CPU widens FP8: planned, none compiled
+  head = variants["mixed_fp8, FP8 head (XLA default)"]
+  for fp8 in (off["fp8"], default["fp8"], head["fp8"]):  # XLA:CPU widens FP8: none compiled
     assert fp8["planned"] > 0 and fp8["compiled_f8"] == 0 and fp8["compiled_gemms"] > 0
     assert fp8["lost"] == fp8["planned"] and fp8["all_planned_in_fp8"] is False
+  assert head["fp8"]["planned"] > default["fp8"]["planned"]  # the LM head's GEMMs too
   assert variants["mixed_bf16 (mpjax autocast)"]["fast_path_share"] == 1.0
   training = figures["training"]
   assert training["policy"] == "mixed_bf16" and training["steps"] == 20
