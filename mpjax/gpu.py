@@ -41,6 +41,7 @@ __all__ = [
   "gemm_backend_options",
   "gemm_mode",
   "get_target",
+  "installed_plugins",
   "on_target",
 ]
 
@@ -50,8 +51,14 @@ __all__ = [
 _PLUGINS = ("jax-cuda12-pjrt", "jax-cuda13-pjrt")
 
 
-def _plugin_versions() -> dict[str, str]:
-  """The installed compiler plugins and their versions."""
+def installed_plugins() -> dict[str, str]:
+  """The installed XLA CUDA compiler plugins (``jax-cuda12-pjrt``...) and their versions.
+
+  Example:
+    >>> import mpjax.gpu
+    >>> set(mpjax.gpu.installed_plugins()) <= {"jax-cuda12-pjrt", "jax-cuda13-pjrt"}
+    True
+  """
   installed = {}
   for name in _PLUGINS:
     try:
@@ -65,7 +72,7 @@ def _installed_plugin() -> str:
   """The compiler plugin in use: one at jaxlib's version, else any installed, else the first."""
   import jaxlib
 
-  installed = _plugin_versions()
+  installed = installed_plugins()
   matching = [n for n, v in installed.items() if v == jaxlib.__version__]
   return (matching or list(installed) or list(_PLUGINS))[0]
 
@@ -183,7 +190,7 @@ def _check_compiler() -> None:
   import jaxlib
 
   wanted = jaxlib.__version__
-  installed = _plugin_versions()
+  installed = installed_plugins()
   if wanted in installed.values():
     return
   name = next(iter(installed), _PLUGINS[0])

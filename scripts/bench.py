@@ -442,18 +442,10 @@ def fp8_against_bf16(reports: dict[str, Any]) -> str:
 
 def compile_record(target: str, gemm_backend: str) -> dict[str, Any]:
   """How ``--target`` compiled: the GEMM mode, the XLA options and flags, the versions."""
-  import importlib.metadata
-
   import jaxlib
 
-  from mpjax.gpu import describe_gemm_backend, gemm_backend_options
+  from mpjax.gpu import describe_gemm_backend, gemm_backend_options, installed_plugins
 
-  plugins = {}
-  for plugin in ("jax-cuda12-pjrt", "jax-cuda13-pjrt"):
-    try:
-      plugins[plugin] = importlib.metadata.version(plugin)
-    except importlib.metadata.PackageNotFoundError:
-      pass
   return {
     "target": target,
     "gemm_backend": gemm_backend,
@@ -462,7 +454,7 @@ def compile_record(target: str, gemm_backend: str) -> dict[str, Any]:
     "XLA_FLAGS": os.environ.get("XLA_FLAGS", ""),
     "jax": jax.__version__,
     "jaxlib": jaxlib.__version__,
-    "compiler_plugins": plugins,
+    "compiler_plugins": installed_plugins(),
   }
 
 
