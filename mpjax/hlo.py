@@ -438,7 +438,8 @@ def conv_dims(
   }
 
 
-def _metadata_op_name(instr: Instruction) -> str:
+def metadata_op_name(instr: Instruction) -> str:
+  """The ``op_name`` of an instruction's metadata (JAX's name stack), ``""`` where none."""
   match = re.search(r'op_name="((?:[^"\\]|\\.)*)"', instr.attrs.get("metadata", ""))
   return match.group(1) if match else ""
 
@@ -517,7 +518,7 @@ def _gemm_of(
     rhs_dtype=rhs_t,
     out_dtype=out[0],
     dims=dims,
-    op_name=_metadata_op_name(instr),
+    op_name=metadata_op_name(instr),
     epilogue=str(config.get("epilogue", "")),
     accumulation=_accumulation(instr, kind, config, lhs_t, out[0]),
   )
@@ -624,7 +625,7 @@ def parse_compiled_gemms(hlo_text: str) -> list[CompiledGemm]:
             call, kind = _fusion_kind(instr, config, op.opcode)
             inner = _gemm_of(op, types[inner_comp], call, kind, {})
             if inner is not None:
-              op_name = inner.op_name or _metadata_op_name(instr)
+              op_name = inner.op_name or metadata_op_name(instr)
               found.append(dataclasses.replace(inner, name=instr.name, op_name=op_name))
       elif instr.opcode in ("dot", "convolution"):
         gemm = _gemm_of(instr, types[comp], instr.opcode, "loop", {})

@@ -26,6 +26,7 @@ from mpjax.hlo import (
   called_computations,
   computations,
   entry_computation,
+  metadata_op_name,
   parse_compiled_gemms,
   type_bytes,
 )
@@ -60,6 +61,9 @@ class Kernel:
   # for a GEMM or convolution: the dtype it accumulates in where the compiled program says it
   # ("f32", "f16"...), else "unknown" (see mpjax.hlo.CompiledGemm.accumulation)
   accumulation: str | None = None
+  # for a GEMM that splits K: the bytes of the partial sums it writes (one per slice of K),
+  # which another kernel reads back and adds
+  split_k_partial_bytes: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,6 +131,18 @@ class KernelReport:
     return sum(k.bytes for k in self.kernels)
 
   @property
+  def split_k_gemms(self) -> int:
+    """GEMM kernels that split K: each writes a partial sum per slice of K, another adds them."""
+    return sum(k.split_k_partial_bytes > 0 for k in self.kernels)
+
+  @property
+  def split_k_bytes(self) -> int:
+    """Bytes moved by split-K partial sums: written by their GEMMs, read back by the kernels
+    that add them (part of :attr:`bytes_moved`). Compiled without a GPU these are the choices
+    of untuned placeholder tiles; a real GPU's autotuner decides per GEMM whether to split."""
+    return 2 * sum(k.split_k_partial_bytes for k in self.kernels)
+
+  @property
   def copy_bytes(self) -> int:
     """Bytes moved by copy and transpose kernels."""
     return sum(k.bytes for k in self.kernels if k.kind == "copy")
@@ -166,6 +182,8 @@ class KernelReport:
       "fp8_gemms": self.fp8_gemms,
       "standalone_converts": self.standalone_converts,
       "bytes_moved": self.bytes_moved,
+      "split_k_gemms": self.split_k_gemms,
+      "split_k_bytes": self.split_k_bytes,
       "copy_bytes": self.copy_bytes,
       "argument_bytes": self.argument_bytes,
       "temp_bytes": self.temp_bytes,
@@ -187,11 +205,37 @@ def _gemm_flops(gemms: list[CompiledGemm]) -> tuple[float, str | None]:
   return flops, dtype
 
 
+def _split_k_partials(
+  comps: dict[str, list[Instruction]], comp: str, gemms: Mapping[str, list[CompiledGemm]]
+) -> dict[str, int]:
+  """The GEMMs of computation ``comp`` that split K, each with the bytes of its partial sums.
+
+  A split-K GEMM writes one partial sum per slice of K along a new dimension; a ``reduce``
+  that carries the dot's own ``op_name`` adds them, in a fusion of its own or in the next kernel.
+  """
+  instrs = comps.get(comp, ())
+  by_name = {i.name: i for i in instrs}
+  viewed: dict[str, str] = {}  # a bitcast's name -> the buffer it views
+  for i in instrs:
+    if i.opcode == "bitcast" and i.operands:
+      viewed[i.name] = viewed.get(i.operands[0][0], i.operands[0][0])
+  partials: dict[str, int] = {}
+  for consumer in (i for i in instrs if i.opcode == "fusion"):  # XLA:GPU wraps every reduce
+    body = comps.get(next(iter(called_computations(consumer)), ""), [])
+    added = {metadata_op_name(r) for r in body if r.opcode == "reduce"} - {""}
+    for operand, _ in consumer.operands:
+      gemm = by_name.get(viewed.get(operand, operand))
+      if gemm is not None and gemm.name in gemms and metadata_op_name(gemm) in added:
+        partials[gemm.name] = type_bytes(gemm.type)
+  return partials
+
+
 def _kernels(
   comps: dict[str, list[Instruction]], comp: str, gemms: Mapping[str, list[CompiledGemm]]
 ) -> list[Kernel]:
   """The kernels that running computation ``comp`` launches, nested control flow included."""
   types = {i.name: i.type for i in comps.get(comp, ())}
+  partials = _split_k_partials(comps, comp, gemms)
   out: list[Kernel] = []
   for instr in comps.get(comp, ()):
     op = instr.opcode
@@ -225,7 +269,18 @@ def _kernels(
       said = {g.accumulation for g in gemms[instr.name]}
       acc = said.pop() if len(said) == 1 else "unknown"
       call = gemms[instr.name][0].kind
-      out.append(Kernel(instr.name, kind, moved, flops, dtype, call=call, accumulation=acc))
+      out.append(
+        Kernel(
+          instr.name,
+          kind,
+          moved,
+          flops,
+          dtype,
+          call=call,
+          accumulation=acc,
+          split_k_partial_bytes=partials.get(instr.name, 0),
+        )
+      )
     elif op == "fusion":
       fused = comps.get(next(iter(called_computations(instr)), ""), [])
       inner = {i.opcode for i in fused} - _FREE
@@ -348,6 +403,16 @@ def kernel_table(reports: Mapping[str, KernelReport]) -> str:
     if any(r.gemm_backend == "default" for r in reports.values())
     else ""
   )
+  split = [
+    f"{label} {r.split_k_gemms} ({r.split_k_bytes / 1e6:.1f} MB)"
+    for label, r in reports.items()
+    if r.split_k_gemms
+  ]
+  if split:
+    placeholder += (
+      " GEMMs that split K, with the bytes of their f32 partial sums (written, then read back "
+      f"and added; in bytes moved): {', '.join(split)}."
+    )
   lines.append(
     f"\nCompiled for {t.device} without a GPU, in {mode}.{placeholder} The step time is a "
     "roofline estimate, not a measurement: each kernel takes the longer of its GEMM FLOPs at "

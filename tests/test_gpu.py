@@ -187,6 +187,31 @@ def test_a_kernel_moves_the_bytes_of_every_operand_and_result():
   assert report.bytes_moved == 9 * 1024 * 1024 * 4  # 8 read, 1 written
 
 
+def test_split_k_partial_sums_are_counted_and_said_and_a_users_sum_is_not_one():
+  a = jax.ShapeDtypeStruct((256, 4096), jnp.bfloat16)
+  b = jax.ShapeDtypeStruct((4096, 1024), jnp.bfloat16)
+  report = mpjax.kernel_report(lambda a, b: a @ b, a, b, target="h100")
+  gemm, add = report.kernels
+  # The premise: the untuned Triton GEMM splits K, writing an f32 partial sum per slice that a
+  # second kernel reads and adds; unsplit, the GEMM would write 256 x 1024 bf16 (0.5 MB).
+  partials = gemm.bytes - (256 * 4096 + 4096 * 1024) * 2
+  assert gemm.kind == "gemm" and add.kind == "fusion" and partials > 256 * 1024 * 4
+  assert partials % (256 * 1024 * 4) == 0
+  assert gemm.split_k_partial_bytes == partials
+  assert (report.split_k_gemms, report.split_k_bytes) == (1, 2 * partials)
+  assert report.to_dict()["split_k_bytes"] == 2 * partials
+  assert f"default 1 ({2 * partials / 1e6:.1f} MB)" in mpjax.kernels.kernel_table(
+    {"default": report}
+  )
+  # cuBLASLt splits inside its one call, and a reduction the user wrote is not a split-K sum.
+  lt = mpjax.kernel_report(
+    lambda a, b: jnp.sum(a @ b, axis=0), a, b, target="h100", gemm_backend="cublaslt"
+  )
+  assert [k.kind for k in lt.kernels] == ["gemm", "fusion"]
+  assert (lt.split_k_gemms, lt.split_k_bytes) == (0, 0)
+  assert "split K" not in mpjax.kernels.kernel_table({"cublaslt": lt})
+
+
 def test_unknown_target_and_backend_are_refused_with_the_choices():
   with pytest.raises(ValueError, match="h100"):
     mpjax.get_target("h1000")
