@@ -28,7 +28,10 @@ in about four minutes there), run on that machine's own jax. In one process it:
    (:func:`accumulation_check`: the cuBLAS(Lt) call's algorithm and result
    type, the Triton fusion dot's; ``unknown`` where it does not say, e.g. a
    cuDNN convolution or a ``dot`` XLA:CPU emits), never inferred from the
-   fast-path share;
+   fast-path share; and the kernel report of the program this GPU's autotuner
+   made (:func:`program_report`: kernels, GEMM calls, split-K GEMMs, bytes
+   moved, the roofline estimate and its ratio to the measured step), to set
+   beside the deviceless prediction of ``scripts/bench.py --target``;
 3. for ``mixed_fp8``, whether every FP8 GEMM that mpjax planned (audit rows with
    an FP8 operand) ran in FP8: the compiled program's GEMMs
    (:func:`mpjax.audit.parse_compiled_gemms` of ``compiled.as_text()``) with
@@ -45,7 +48,8 @@ figure, and is rewritten after each part, so a run cut short keeps what it had.
 
 What it does NOT check: numerics of the models it times (random tokens, one
 batch); step time of anything but these two models at these sizes; the
-deviceless prediction (``python scripts/bench.py --target h200``); Triton-off
+deviceless prediction itself (``python scripts/bench.py --target h200``, run
+apart: this script records the real program to compare it with); Triton-off
 for variants other than ``mixed_fp8``; which FP8 GEMM was lost when counts
 differ (it compares counts: planned against compiled); fp16, fp32 at
 ``highest`` precision, Keras; multi-GPU. The char LM's corpus is the Python
@@ -90,6 +94,7 @@ import numpy as np
 import mpjax
 import mpjax.experiment as experiment
 from mpjax.audit import AuditReport, audit_jaxpr, parse_compiled_gemms
+from mpjax.kernels import report_from_hlo
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 REFERENCE = ROOT / "results" / "gpu" / "charlm_cpu_reference.json"
@@ -231,6 +236,24 @@ def _peak(device_kind: str, override: float | None) -> dict[str, Any]:
   return {"tflops": bf16, "source": f"mpjax.get_target({target!r}).bf16_tflops"}
 
 
+def program_report(hlo: str, memory: Any, device_kind: str, gemm_backend: str) -> dict[str, Any]:
+  """The kernel report of a program compiled on this GPU, as JSON-ready figures.
+
+  The program the GPU's autotuner made (tuned Triton tiles or cuBLASLt calls,
+  split-K where it chose it), read as :func:`mpjax.kernels.report_from_hlo`
+  reads a deviceless one: kernels, GEMM calls, split-K GEMMs and their
+  partial sums' bytes, bytes moved and the roofline estimate at the rates of
+  the mpjax target this device is. ``{"note": ...}`` where it cannot be read.
+  """
+  target = next((t for key, t in _TARGET_OF_DEVICE if key in device_kind), None)
+  if target is None:
+    return {"note": f"not read: no mpjax target for {device_kind!r}"}
+  try:
+    return report_from_hlo(hlo, target, memory, gemm_backend).to_dict()
+  except Exception as e:  # noqa: BLE001 (an HLO construct the reader does not know)
+    return {"note": f"not read: {type(e).__name__}: {e}"}
+
+
 # --------------------------------------------------------------------------- timing
 
 
@@ -344,6 +367,16 @@ def _compile_one(
     "calls": dict(Counter(r.call_kind or "unknown" for r in report.rows)),
     "accumulation": accumulation_check(hlo),
   }
+  if on_gpu:
+    off = options.get("xla_gpu_enable_triton_gemm") is False
+    figures["program"] = program_report(
+      hlo,
+      compiled.memory_analysis(),
+      jax.devices()[0].device_kind,
+      "cublaslt" if off else "default",
+    )
+  else:
+    figures["program"] = {"note": f"not read: a {jax.default_backend()} program, not a GPU's"}
   if options and not on_gpu:
     figures["compile_note"] = (
       f"{options} not passed: it applies to XLA:GPU only (backend {jax.default_backend()})"
@@ -402,6 +435,8 @@ def measure_model(name: str, small: bool, rounds: int, peak_tflops: float | None
     tflops = model_flops / (step_ms[label] * 1e-3) / 1e12
     f["model_tflops"] = tflops
     f["mfu"] = tflops / peak_tflops if peak_tflops else None
+    if "estimated_ms" in f["program"]:
+      f["program"]["estimate_over_measured"] = f["program"]["estimated_ms"] / step_ms[label]
   return {
     "sizes": sizes,
     "model_flops": model_flops,
@@ -492,13 +527,13 @@ def markdown(figures: dict[str, Any]) -> str:
   """One table of every model and variant, then the training comparison."""
   lines = [
     "| model | variant | step ms | vs fp32 | MFU | FP8 GEMMs in FP8 / planned | fast path "
-    "| f32 accumulation (compiled) | compile s |",
-    "|---|---|---|---|---|---|---|---|---|",
+    "| f32 accumulation (compiled) | kernels / split-K GEMMs / estimate over step | compile s |",
+    "|---|---|---|---|---|---|---|---|---|---|",
   ]
   for model, m in figures["models"].items():
     for label, v in m.get("variants", {}).items():
       if "error" in v:
-        lines.append(f"| {model} | {label} | failed: {v['error'][:80]} | | | | | | |")
+        lines.append(f"| {model} | {label} | failed: {v['error'][:80]} | | | | | | | |")
         continue
       mfu = f"{100 * v['mfu']:.1f}%" if v.get("mfu") is not None else "-"
       fp8 = v.get("fp8")
@@ -509,9 +544,15 @@ def markdown(figures: dict[str, Any]) -> str:
         if acc
         else "-"
       )
+      p = v["program"]
+      program = (
+        f"{p['kernels']} / {p['split_k_gemms']} / {p['estimate_over_measured']:.2f}"
+        if "kernels" in p
+        else "-"
+      )
       lines.append(
         f"| {model} | {label} | {v['step_ms']:.2f} | {v['step_ratio']:.3f}x | {mfu} | {f8} "
-        f"| {100 * v['fast_path_share']:.0f}% | {said} | {v['compile_s']:.1f} |"
+        f"| {100 * v['fast_path_share']:.0f}% | {said} | {program} | {v['compile_s']:.1f} |"
       )
   env = figures["environment"]
   cuda = env["cuda"].get("cuda_runtime_version") or env["cuda"].get("nvidia_smi_cuda")

@@ -148,6 +148,31 @@ def test_bench_script_keras_peer_ceiling_and_json(tmp_path, capsys, monkeypatch)
   assert "| keras mixed_bfloat16 |" in record["markdown"] and record["markdown"] in out
 
 
+def test_gpu_check_reads_a_gpu_programs_kernels_as_the_deviceless_report_does():
+  import importlib.metadata
+
+  import mpjax.gpu
+
+  try:
+    importlib.metadata.version(mpjax.gpu.PLUGIN)
+  except importlib.metadata.PackageNotFoundError:
+    pytest.skip(f"needs XLA's CUDA compiler plugin ({mpjax.gpu.PLUGIN})")
+  gpu_check = _script("gpu_check")
+  a = jax.ShapeDtypeStruct((256, 4096), jnp.bfloat16)
+  b = jax.ShapeDtypeStruct((4096, 1024), jnp.bfloat16)
+  compiled = mpjax.compile_for(lambda a, b: a @ b, a, b, target="h200")
+  read = gpu_check.program_report(
+    compiled.as_text(), compiled.memory_analysis(), "NVIDIA H200", "default"
+  )
+  expected = mpjax.kernel_report(lambda a, b: a @ b, a, b, target="h200").to_dict()
+  assert read == expected and read["target"] == "h200" and read["split_k_gemms"] == 1
+  assert gpu_check.program_report(compiled.as_text(), None, "Tesla T4", "default") == {
+    "note": "not read: no mpjax target for 'Tesla T4'"
+  }
+  broken = gpu_check.program_report("HloModule m", None, "NVIDIA H100 80GB HBM3", "default")
+  assert broken["note"].startswith("not read: ValueError")
+
+
 def test_gpu_check_script_runs_small(tmp_path, capsys):
   import json
 
@@ -177,6 +202,8 @@ def test_gpu_check_script_runs_small(tmp_path, capsys):
   assert figures["variants_compiled"]["mixed_fp8 (Triton GEMMs off)"] == {
     "xla_gpu_enable_triton_gemm": False
   }
+  for v in variants.values():  # the program's kernel report is read on a GPU only, and said so
+    assert v["program"] == {"note": "not read: a cpu program, not a GPU's"}
   head = variants["mixed_fp8, FP8 head (XLA default)"]
   for fp8 in (off["fp8"], default["fp8"], head["fp8"]):  # XLA:CPU widens FP8: none compiled
     assert fp8["planned"] > 0 and fp8["compiled_f8"] == 0 and fp8["compiled_gemms"] > 0
