@@ -338,14 +338,20 @@ def test_h100_step_of_bf16_sr_costs_no_byte_and_no_kernel_per_leaf_over_nearest(
   state_memory.main(argv)
   record = json.loads(out.read_text())
   assert record["jax"] == jax.__version__ and record["target"] == "h100"
+  assert record["gemm_modes"]["default"]["xla_options"] == {"xla_gpu_enable_triton_gemm": True}
+  assert record["gemm_modes"]["cublaslt"]["xla_options"] == {"xla_gpu_enable_triton_gemm": False}
   r = record["results"]["mlp"]
   assert r["bf16_sr"]["state_bytes_per_param"] <= r["fp32"]["state_bytes_per_param"] / 2 + 0.02
-  # The rounding fuses into the update: at most one kernel more than round to nearest (the
-  # step's seed); a random-number or key kernel per leaf would add six or more. (The full-size
-  # MLP moves the same bytes as pure_bf16; this tiny one a few kB more.)
-  assert r["bf16_sr"]["bytes_moved"] <= r["pure_bf16"]["bytes_moved"] * 1.1
-  assert r["bf16_sr"]["kernels"] <= r["pure_bf16"]["kernels"] + 1
-  assert r["bf16_sr"]["kernels"] <= r["fp32"]["kernels"] * 1.05
+  for mode in ("default", "cublaslt"):
+    sr, nearest = r["bf16_sr"][mode], r["pure_bf16"][mode]
+    # The rounding fuses into the update: at most one kernel more than round to nearest (the
+    # step's seed); a random-number or key kernel per leaf would add six or more. (The full-size
+    # MLP moves the same bytes as pure_bf16; this tiny one a few kB more.)
+    assert sr["bytes_moved"] <= nearest["bytes_moved"] * 1.1, mode
+    assert sr["kernels"] <= nearest["kernels"] + 1, mode
+    assert sr["bytes_ratio"] == sr["bytes_moved"] / r["fp32"][mode]["bytes_moved"]
+  assert r["bf16_sr"]["default"]["kernels"] <= r["fp32"]["default"]["kernels"] * 1.05
+  assert r["fp32"]["cublaslt"]["split_k_bytes"] == 0
 
 
 def test_h100_update_of_many_leaves_is_one_fused_kernel_not_one_per_leaf():
@@ -412,3 +418,6 @@ def test_state_memory_without_fp32_is_refused_at_parsing(capsys):
   with pytest.raises(SystemExit):
     state_memory.main(["--small", "--models", "mlp", "--policies", "pure_bf16,bf16_sr"])
   assert "must include fp32" in capsys.readouterr().err
+  with pytest.raises(SystemExit):
+    state_memory.main(["--small", "--models", "mlp", "--gemm_backends", "cublas"])
+  assert "--gemm_backends cublas: gemm_backend='cublas' is not one of" in capsys.readouterr().err
