@@ -51,7 +51,7 @@ from mpjax.autocast_interpreter import INPUT, EvalContext, OpRecord, cast_value,
 from mpjax.fp8_plan import Fp8Run, choose_fp8_gemms
 from mpjax.gemm import SAVED as _SAVED
 from mpjax.jax_compat import softmax_custom_jvp, trace_context
-from mpjax.op_classes import CLASSES, LEVELS, OP_CLASSES, Rules, parse_rules
+from mpjax.op_classes import CLASSES, LEVELS, OP_CLASSES, Rules, check_declared, parse_rules
 from mpjax.op_classes import module_of as module_of  # re-exported: rules match module paths
 from mpjax.policy import Policy, get_policy
 
@@ -190,6 +190,7 @@ def _run(
   arrays = [leaves[i] for i in dynamic]
   remat = lowering_platform(arrays) == "cpu" if ctx.remat is None else ctx.remat
   closed, out_tree, floating, learnt = _trace(fn, leaves, treedef, dynamic, cache, remat)
+  check_declared(ctx.rules, closed.jaxpr)
   # Side effects (prints, callbacks) would run again in the recomputation.
   remat = remat and not closed.effects
   ctx = dataclasses.replace(ctx, remat=remat)
@@ -280,7 +281,9 @@ def autocast(
       dtype is f32 returns ``fn`` itself.
     rules: edits, by key. A primitive name maps to a class (``"lower"``,
       ``"fp32"``, ``"promote"``, ``"follow"``, ``"keep"``), e.g.
-      ``{"tanh": "fp32"}``. A glob with ``*`` or ``/`` matches the name stack
+      ``{"tanh": "fp32"}``. A primitive autocast does not know (it warns, and
+      runs it as traced) can be named too, e.g. ``{"pallas_call": "keep"}``.
+      A glob with ``*`` or ``/`` matches the name stack
       Flax and ``jax.named_scope`` give each operation, and maps to the policy
       its operations use, e.g. ``{"*head*": "fp32", "*/LayerNorm_*": "fp32"}``
       (an f32 scope runs as traced). The first matching pattern wins.
@@ -307,7 +310,9 @@ def autocast(
 
   Raises:
     ValueError: for a policy that cannot be read, a rule naming an unknown
-      primitive, class or policy, or an unknown level.
+      class or policy, or an unknown level; a rule naming a primitive that
+      is neither one autocast knows nor one of the traced function's (when it
+      is traced), or one that cannot run in its class.
 
   Example:
     >>> import jax, jax.numpy as jnp, flax.linen as nn

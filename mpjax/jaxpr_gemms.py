@@ -210,7 +210,8 @@ def _row(eqn: Any, path: str, count: int, note: str, fp8_of: Mapping[Any, np.dty
   )
 
 
-def _sub_jaxprs(eqn: Any) -> Iterator[tuple[str, Any]]:
+def sub_jaxprs(eqn: Any) -> Iterator[tuple[str, Any]]:
+  """The jaxprs an equation holds in its params (a call's, a loop's body, a kernel's), by param."""
   for key, value in eqn.params.items():
     for v in value if isinstance(value, tuple | list) else (value,):
       if isinstance(v, jcore.ClosedJaxpr):
@@ -271,7 +272,7 @@ def _walk(
     # are not differentiated; under jax.grad their fwd and bwd rules are already
     # traced into plain equations of the outer jaxpr.
     repeat = _repeat(eqn)
-    for key, sub in _sub_jaxprs(eqn):
+    for key, sub in sub_jaxprs(eqn):
       inner_note = note
       if name == "while":
         inner_note = f"while {'body' if key == 'body_jaxpr' else 'condition'}: counted once"

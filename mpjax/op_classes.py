@@ -3,8 +3,9 @@
 :data:`OP_CLASSES` gives each primitive autocast knows one of :data:`CLASSES`
 (see :mod:`mpjax.autocast` for what each class does); :func:`parse_rules`
 reads a user's ``rules`` (a primitive to a class, or a name-stack glob to a
-policy) into :class:`Rules`; :func:`module_of` is the module path those globs
-are matched against.
+policy) into :class:`Rules`, and :func:`check_declared` checks the rules that
+name a primitive autocast does not know against the traced function's own;
+:func:`module_of` is the module path those globs are matched against.
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ import functools
 import logging
 import re
 from collections.abc import Mapping
+from typing import Any
 
+from mpjax.jaxpr_gemms import sub_jaxprs
 from mpjax.policy import Policy, get_policy
 
 _log = logging.getLogger("mpjax")
@@ -75,6 +78,8 @@ ENTERED = frozenset(
   "jit pjit closed_call core_call remat2 checkpoint custom_jvp_call custom_vjp_call cond "
   "while scan shard_map".split()
 )
+# What a primitive's name looks like (``pallas_call``, ``cudnn-fused-attention``...).
+_PRIMITIVE_NAME = re.compile(r"[A-Za-z_][\w\-]*")
 # Ops that only move data: a weight seen through one is still that weight.
 VIEWS = frozenset("reshape transpose broadcast_in_dim squeeze expand_dims slice".split())
 
@@ -83,11 +88,15 @@ VIEWS = frozenset("reshape transpose broadcast_in_dim squeeze expand_dims slice"
 class Rules:
   classes: Mapping[str, str]
   scopes: tuple[tuple[str, Policy], ...]
+  # primitives a rule classifies that autocast does not know (a Pallas kernel's
+  # ``pallas_call``, a library's own primitive): checked once the function is traced
+  declared: frozenset[str] = frozenset()
 
 
 def parse_rules(rules: Mapping[str, str] | None) -> Rules:
   classes = dict(OP_CLASSES)
   scopes = []
+  declared = set()
   if rules is None:
     return Rules(classes, ())
   if not isinstance(rules, Mapping):
@@ -104,14 +113,23 @@ def parse_rules(rules: Mapping[str, str] | None) -> Rules:
       except ValueError as e:
         raise ValueError(f"autocast: rule {key!r}: {value!r} names no policy. {e}") from None
       continue
-    if key not in classes:
-      near = difflib.get_close_matches(key, list(classes), n=1)
-      hint = f" Did you mean {near[0]!r}?" if near else ""
+    if key in ENTERED:
       raise ValueError(
-        f"autocast: rule {key!r} is neither a primitive autocast knows nor a name-stack "
-        f"pattern.{hint} A module pattern needs a wildcard or a '/', e.g. '*{key}*'; the known "
-        "primitives are the keys of mpjax.OP_CLASSES."
+        f"autocast: rule {key!r}: autocast enters {key!r} and casts what runs inside it, so it "
+        f"takes no class; to run a part of the function in f32, match its name stack, e.g. "
+        "{'*attention*': 'fp32'}."
       )
+    if key not in classes:
+      typo = difflib.get_close_matches(key, list(OP_CLASSES), n=1, cutoff=0.8)
+      if typo or not _PRIMITIVE_NAME.fullmatch(key):
+        near = typo or difflib.get_close_matches(key, list(OP_CLASSES), n=1)
+        hint = f" Did you mean {near[0]!r}?" if near else ""
+        raise ValueError(
+          f"autocast: rule {key!r} is neither a primitive autocast knows nor a name-stack "
+          f"pattern.{hint} A module pattern needs a wildcard or a '/', e.g. '*{key}*'; the "
+          "known primitives are the keys of mpjax.OP_CLASSES."
+        )
+      declared.add(key)  # a primitive autocast does not know: checked against the trace
     if value not in CLASSES:
       near = difflib.get_close_matches(str(value), CLASSES, n=1)
       hint = f" Did you mean {near[0]!r}?" if near else ""
@@ -120,14 +138,57 @@ def parse_rules(rules: Mapping[str, str] | None) -> Rules:
         f"{', '.join(map(repr, CLASSES))}.{hint}"
       )
     classes[key] = value
-  return Rules(classes, tuple(scopes))
+  return Rules(classes, tuple(scopes), frozenset(declared))
+
+
+def check_declared(rules: Rules, jaxpr: Any) -> None:
+  """Checks each rule naming a primitive autocast does not know against ``jaxpr``'s primitives.
+
+  Raises:
+    ValueError: for a rule whose primitive is not in the function (a typo, or a
+      module name without a wildcard), and for a class other than ``"keep"`` on
+      a primitive that holds a program of its own (a ``pallas_call``): that
+      program is typed for the dtypes it was traced with.
+  """
+  if not rules.declared:
+    return
+  holds_program: dict[str, bool] = {}
+
+  def visit(j: Any) -> None:
+    for eqn in j.eqns:
+      subs = [sub for _, sub in sub_jaxprs(eqn)]
+      name = eqn.primitive.name
+      holds_program[name] = holds_program.get(name, False) or bool(subs)
+      for sub in subs:
+        visit(sub)
+
+  visit(jaxpr)
+  for name in sorted(rules.declared):
+    if name not in holds_program:
+      unknown = sorted(set(holds_program) - set(OP_CLASSES) - ENTERED)
+      near = difflib.get_close_matches(name, [*unknown, *OP_CLASSES], n=1)
+      hint = f" Did you mean {near[0]!r}?" if near else ""
+      raise ValueError(
+        f"autocast: rule {name!r} names no primitive of this function and none autocast "
+        f"knows.{hint} The function's primitives autocast does not know: "
+        f"{', '.join(unknown) or 'none'}; a module pattern needs a wildcard or a '/', e.g. "
+        f"'*{name}*'."
+      )
+    if holds_program[name] and rules.classes[name] != "keep":
+      raise ValueError(
+        f"autocast: rule {name!r}: {rules.classes[name]!r} cannot run it: {name!r} holds a "
+        "program typed for the dtypes it was traced with, so it runs as traced ('keep'). To "
+        "run it in another dtype, cast its inputs in your function before it is traced."
+      )
 
 
 @functools.cache
 def warn_unclassified(name: str) -> None:
   _log.warning(
-    "autocast: primitive %r is not classified; it runs in the dtypes it was traced with. "
-    "Give it a class with rules={%r: 'follow'} (or 'fp32', 'promote', 'keep').",
+    "autocast: primitive %r is not classified; it runs in the dtypes it was traced with (cast "
+    "its inputs in your function to run it in another). rules={%r: 'keep'} says so and "
+    "silences this; 'follow', 'promote' or 'fp32' cast its floating inputs instead, for a "
+    "primitive that takes other dtypes.",
     name,
     name,
   )

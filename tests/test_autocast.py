@@ -865,6 +865,63 @@ def test_bad_arguments_raise_when_autocast_is_called(kwargs, match):
     mpjax.autocast_report(_never_called, jnp.ones(2), policy=policy, **kwargs)
 
 
+def _doubled_by_a_kernel(x):
+  """``2 * x`` by a Pallas kernel (interpreted on the CPU): a primitive autocast does not know,
+  holding a program typed for the dtypes it was traced with."""
+  from jax.experimental import pallas as pl
+
+  def kernel(x_ref, o_ref):
+    o_ref[...] = x_ref[...] * 2
+
+  out = jax.ShapeDtypeStruct(x.shape, x.dtype)
+  return pl.pallas_call(kernel, out_shape=out, interpret=True)(x)
+
+
+def _kernel_after_a_gemm(x, w):
+  return _doubled_by_a_kernel(jnp.tanh(x @ w)), _doubled_by_a_kernel((x @ w).astype(jnp.bfloat16))
+
+
+def test_a_primitive_autocast_does_not_know_runs_as_traced_and_a_rule_can_say_so(caplog):
+  x = jax.random.normal(jax.random.key(0), (8, 16))
+  w = 0.25 * jax.random.normal(jax.random.key(1), (16, 8))
+  assert "pallas_call" not in mpjax.OP_CLASSES  # the premise: autocast does not know it
+  expected = _kernel_after_a_gemm(x, w)
+  with caplog.at_level("WARNING", logger="mpjax"):
+    warned = jax.jit(mpjax.autocast(_kernel_after_a_gemm, "mixed_bf16"))(x, w)
+  assert "'pallas_call' is not classified" in caplog.text
+  assert "rules={'pallas_call': 'keep'}" in caplog.text  # the advice it gives is one that works
+  caplog.clear()
+  with caplog.at_level("WARNING", logger="mpjax"):
+    keep = mpjax.autocast(_kernel_after_a_gemm, "mixed_bf16", rules={"pallas_call": "keep"})
+    kept = jax.jit(keep)(x, w)
+  assert "not classified" not in caplog.text
+  chex.assert_type(kept, jnp.float32)  # the policy's output dtype
+  chex.assert_trees_all_equal(kept, warned)
+  chex.assert_trees_all_close(kept, expected, rtol=2e-2, atol=5e-2)
+  assert not jnp.array_equal(kept[0], expected[0])  # and the GEMM before it did run in bf16
+
+
+@pytest.mark.parametrize(
+  ("rules", "match"),
+  [
+    ({"pallas_call": "follow"}, r"'follow' cannot run it: 'pallas_call' holds a program typed"),
+    ({"pallas_cal": "keep"}, r"'pallas_cal' names no primitive of this function.*'pallas_call'"),
+    ({"Dense_0": "keep"}, r"'Dense_0' names no primitive.*a wildcard or a '/', e.g. '\*Dense_0\*'"),
+  ],
+  ids=["program_in_another_class", "typo", "module_without_wildcard"],
+)
+def test_a_rule_for_a_primitive_autocast_does_not_know_is_checked_against_the_trace(rules, match):
+  x, w = jnp.ones((8, 16)), jnp.ones((16, 8))
+  run = mpjax.autocast(_kernel_after_a_gemm, "mixed_bf16", rules=rules)  # accepted: not traced
+  with pytest.raises(ValueError, match=match):
+    jax.jit(run)(x, w)
+
+
+def test_a_primitive_autocast_enters_takes_no_class():
+  with pytest.raises(ValueError, match=r"autocast enters 'scan'.*takes no class"):
+    mpjax.autocast(_never_called, "mixed_bf16", rules={"scan": "fp32"})
+
+
 # --- 8: autocast_report -------------------------------------------------------------------------
 
 
