@@ -152,6 +152,16 @@ class KernelReport:
     """GEMM and convolution FLOPs."""
     return sum(k.flops for k in self.kernels)
 
+  def kernel_seconds(self, kernel: Kernel) -> float:
+    """One kernel's part of :attr:`estimated_seconds`: the longer of its GEMM FLOPs at the
+    peak for the dtype it multiplies and its bytes at the memory bandwidth."""
+    compute = 0.0
+    if kernel.flops:
+      fp8 = _is_fp8_name(kernel.peak_dtype) and self.target.fp8_tflops is None
+      peak = self.target.peak_tflops("bfloat16" if fp8 else kernel.peak_dtype)
+      compute = kernel.flops / (peak * 1e12)
+    return max(compute, kernel.bytes / (self.target.memory_tbps * 1e12))
+
   @property
   def estimated_seconds(self) -> float:
     """A roofline estimate, not a measurement: each kernel takes the longer of its
@@ -160,15 +170,13 @@ class KernelReport:
     ``__cublas$lt$matmul$f8`` call or an f8 x f8 dot in a Triton fusion) and its
     bytes at the memory bandwidth. Launch overheads and achieved (not peak)
     rates are left out, so a real step is slower."""
-    total = 0.0
-    for k in self.kernels:
-      compute = 0.0
-      if k.flops:
-        fp8 = _is_fp8_name(k.peak_dtype) and self.target.fp8_tflops is None
-        peak = self.target.peak_tflops("bfloat16" if fp8 else k.peak_dtype)
-        compute = k.flops / (peak * 1e12)
-      total += max(compute, k.bytes / (self.target.memory_tbps * 1e12))
-    return total
+    return sum(self.kernel_seconds(k) for k in self.kernels)
+
+  @property
+  def estimated_gemm_seconds(self) -> float:
+    """The part of :attr:`estimated_seconds` in GEMM and convolution kernels (with what XLA
+    fused into them); the rest is every other kernel's."""
+    return sum(self.kernel_seconds(k) for k in self.kernels if k.call)
 
   def to_dict(self) -> dict[str, Any]:
     return {
@@ -189,6 +197,7 @@ class KernelReport:
       "temp_bytes": self.temp_bytes,
       "gemm_flops": self.flops,
       "estimated_ms": 1e3 * self.estimated_seconds,
+      "estimated_gemm_ms": 1e3 * self.estimated_gemm_seconds,
     }
 
 

@@ -434,9 +434,29 @@ def fp8_against_bf16(reports: dict[str, Any]) -> str:
     f"{fp8.estimated_seconds / bf16.estimated_seconds:.3f}x (FP8 GEMMs at "
     f"{fp8.target.fp8_tflops:g} TFLOP/s, bf16 at {fp8.target.bf16_tflops:g}); {fp8.fp8_gemms} of "
     f"{sum(fp8.calls.values())} GEMMs multiply FP8 operands ({f8_calls} FP8 cuBLASLt calls, "
-    f"{fp8.fp8_gemms - f8_calls} f8 dots in Triton fusions). With the output head in FP8 too "
-    f"(keep_bf16=('first',)): estimated step time {head_time:.3f}x, {head.fp8_gemms} GEMMs "
-    "with FP8 operands."
+    f"{fp8.fp8_gemms - f8_calls} f8 dots in Triton fusions). {fp8_bound(fp8, bf16)} With the "
+    f"output head in FP8 too (keep_bf16=('first',)): estimated step time {head_time:.3f}x, "
+    f"{head.fp8_gemms} GEMMs with FP8 operands."
+  )
+
+
+def fp8_bound(fp8: Any, bf16: Any) -> str:
+  """Where the FP8 step's estimated time goes against the bf16 step's, and its bound.
+
+  The bound is the FP8 step whose other kernels (amax, quantize, scales,
+  everything that is not a GEMM) took what the bf16 step's take: the bf16 step
+  less what the GEMM kernels save. Making the FP8 work outside the GEMMs cheaper
+  approaches it; only more GEMMs in FP8 (the recipe keeps some in bf16) or a
+  cheaper step around them (e.g. fused attention) goes below it.
+  """
+  gemm_b, gemm_f = bf16.estimated_gemm_seconds, fp8.estimated_gemm_seconds
+  rest_b = bf16.estimated_seconds - gemm_b
+  rest_f = fp8.estimated_seconds - gemm_f
+  bound = (bf16.estimated_seconds - (gemm_b - gemm_f)) / bf16.estimated_seconds
+  return (
+    f"GEMM kernels {1e3 * gemm_b:.2f} -> {1e3 * gemm_f:.2f} ms, the other kernels "
+    f"{1e3 * rest_b:.2f} -> {1e3 * rest_f:.2f} ms: were the other kernels as fast as the bf16 "
+    f"step's, the step would be {bound:.3f}x."
   )
 
 

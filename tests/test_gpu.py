@@ -408,6 +408,12 @@ def test_bench_target_prints_kernel_tables_with_ratios(tmp_path):
   fp8, head = results["mpjax mixed_fp8 autocast"], results["mpjax mixed_fp8 autocast, FP8 head"]
   assert 0 < fp8["fp8_gemms"] < head["fp8_gemms"]
   assert "With the output head in FP8 too (keep_bf16=('first',))" in result.stdout
+  # The FP8 step's bound: the bf16 step less what its GEMM kernels save, said from the figures.
+  bf16 = results["mpjax mixed_bf16 autocast"]
+  saved = bf16["estimated_gemm_ms"] - fp8["estimated_gemm_ms"]
+  bound = (bf16["estimated_ms"] - saved) / bf16["estimated_ms"]
+  assert 0 < fp8["estimated_gemm_ms"] < fp8["estimated_ms"]
+  assert f"the step would be {bound:.3f}x" in result.stdout
   # The record says how it compiled: the mode, the XLA options and flags, the versions.
   assert (record["gemm_backend"], record["gemm_mode"]) == ("default", mode)
   assert record["xla_options"] == {"xla_gpu_enable_triton_gemm": True}
@@ -571,6 +577,20 @@ def test_the_estimate_costs_an_fp8_gemm_at_the_fp8_peak_and_a_bf16_one_at_the_bf
 }"""
   (kernel,) = mpjax.kernels.report_from_hlo(hlo, "h100").kernels
   assert kernel.peak_dtype == "bfloat16"
+
+
+def test_the_estimate_splits_into_gemm_kernels_and_the_rest():
+  from mpjax.kernels import Kernel, KernelReport
+
+  h100 = mpjax.get_target("h100")
+  gemm = Kernel("g", "gemm", 1e6, 1e15, "bfloat16", call="triton_gemm")  # compute-bound: 1.01 ms
+  big = Kernel("f", "fusion", 3.35e9, 0.0, None)  # memory-bound: 1 ms at 3.35 TB/s
+  report = KernelReport(h100, (gemm, big), 0, 0, "default")
+  assert report.kernel_seconds(gemm) == pytest.approx(1e3 / 989.4)
+  assert report.kernel_seconds(big) == pytest.approx(1e-3)
+  assert report.estimated_gemm_seconds == pytest.approx(1e3 / 989.4)
+  assert report.estimated_seconds == pytest.approx(1e3 / 989.4 + 1e-3)
+  assert report.to_dict()["estimated_gemm_ms"] == pytest.approx(1e6 / 989.4)
 
 
 # The H200 run that showed FP8 lost (results/gpu/gpu_check_h200.json, jax 0.11.2): gpu_check's
