@@ -146,10 +146,13 @@ class TrainState(struct.PyTreeNode):
         "tracing the step on a batch, so pass both (train_step=step, example_batch=batch) or "
         "neither."
       )
-    if not isinstance(tx, optax.GradientTransformation):
+    if not (callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))):
+      # Duck-typed, as optax and Flax's TrainState take it: optax.MultiSteps is a class
+      # with init and update, not a GradientTransformation.
       raise TypeError(
-        f"TrainState.create: tx must be an optax.GradientTransformation such as "
-        f"optax.adam(1e-3), got {type(tx).__name__}."
+        "TrainState.create: tx must be an optax optimizer (an optax.GradientTransformation "
+        "such as optax.adam(1e-3), or anything with init and update, such as "
+        f"optax.MultiSteps), got {type(tx).__name__}."
       )
     if loss_scale is None:
       loss_scale = default_loss_scale(policy)
