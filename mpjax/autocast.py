@@ -103,17 +103,42 @@ def _saved_for_backward(prim: Any, *_: Any, **params: Any) -> bool:
 _CACHE_SIZE = 32
 
 
+def nnx_variables(tree: Any) -> list[Any]:
+  """The Flax NNX ``Variable`` objects in ``tree`` (params, BatchNorm statistics, RNG counts), in
+  flattening order: the state a function may set in place."""
+  from flax import nnx
+
+  found = jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
+  return [x for x in found if isinstance(x, nnx.Variable)]
+
+
 def with_arrays(
-  fn: Callable[..., Any], leaves: list[Any], treedef: Any, dynamic: list[int]
+  fn: Callable[..., Any],
+  leaves: list[Any],
+  treedef: Any,
+  dynamic: list[int],
+  written: list[int] | None = None,
 ) -> Callable[..., Any]:
-  """``fn`` as a function of the array leaves at ``dynamic``; the other leaves stay as given."""
+  """``fn`` as a function of the array leaves at ``dynamic``; the other leaves stay as given.
+
+  With ``written``, the function returns ``(fn's result, new values)``: the values ``fn`` set
+  on its arguments' NNX ``Variable`` objects, whose indices (in :func:`nnx_variables` order) it puts
+  in ``written``.
+  """
 
   def flat_fn(*xs):
     full = list(leaves)
     for i, x in zip(dynamic, xs, strict=True):
       full[i] = x
     a, k = jax.tree.unflatten(treedef, full)
-    return fn(*a, **k)
+    if written is None:
+      return fn(*a, **k)
+    variables = nnx_variables((a, k))
+    before = [v.get_raw_value() for v in variables]
+    out = fn(*a, **k)
+    changed = [v.get_raw_value() is not b for v, b in zip(variables, before, strict=True)]
+    written[:] = [i for i, c in enumerate(changed) if c]
+    return out, [variables[i].get_raw_value() for i in written]
 
   return flat_fn
 
@@ -154,11 +179,14 @@ def _trace(
     cache.move_to_end(key)
     return hit
 
-  flat_fn = with_arrays(fn, leaves, treedef, dynamic)
+  written: list[int] = []
+  flat_fn = with_arrays(fn, leaves, treedef, dynamic, written)
   with softmax_custom_jvp(not remat or softmax_custom_jvp.value):
     closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*(leaves[i] for i in dynamic))
   out_leaves, out_tree = jax.tree.flatten(out_shape)
-  traced = closed, out_tree, [_castable(o.dtype) for o in out_leaves], {}
+  results = len(jax.tree.leaves(out_shape[0]))  # then the NNX Variables' new values
+  floating = [i < results and _castable(o.dtype) for i, o in enumerate(out_leaves)]
+  traced = closed, out_tree, floating, {"written": (tuple(written), out_shape[1])}
   # A function that closes over another transformation's tracers is traced anew
   # each call: its jaxpr holds them.
   if key is not None and not any(isinstance(c, jax.core.Tracer) for c in closed.consts):
@@ -228,7 +256,14 @@ def _run(
   outs = run(fp8_scales, *arrays)
   out_dtype = np.dtype(ctx.policy.output_dtype)
   outs = [cast_value(x, out_dtype) if f else x for x, f in zip(outs, floating, strict=True)]
-  return jax.tree.unflatten(out_tree, outs)
+  result, values = jax.tree.unflatten(out_tree, outs)
+  # What fn set on its arguments' NNX Variables (BatchNorm statistics, RNG counts) is set on
+  # the caller's, in the dtypes fn wrote, as calling fn would: NNX's transforms carry it on.
+  indices, traced = learnt["written"]
+  variables = nnx_variables((args, kwargs)) if indices else []
+  for i, value, was in zip(indices, values, traced, strict=True):
+    variables[i].set_raw_value(jax.tree.map(lambda x, t: cast_value(x, t.dtype), value, was))
+  return result
 
 
 def autocast(
@@ -253,7 +288,10 @@ def autocast(
   transformer's residual stream runs in bf16, as under Flax
   ``dtype=bfloat16``, jmp and Megatron-LM; ``rules={"*Embed*": "fp32"}``
   keeps it f32, as ``torch.autocast`` does (and as fp16 compute does, for
-  range). Floating outputs come back in ``policy.output_dtype``.
+  range). Floating outputs come back in ``policy.output_dtype``. What ``fn``
+  sets on its arguments' Flax NNX ``Variable`` objects (BatchNorm statistics,
+  RNG counts) is set on the caller's, as calling ``fn`` would, so
+  ``nnx.value_and_grad`` and ``nnx.jit`` carry it on.
   It composes with ``jax.jit``, ``jax.grad``, ``jax.vmap``, ``jax.checkpoint``,
   ``lax.scan``, ``shard_map`` and :func:`mpjax.make_train_step`, and enters
   ``jit``, ``cond``, ``while``, ``scan``, ``remat``, ``shard_map`` and

@@ -618,6 +618,42 @@ def test_autocast_runs_an_nnx_module_through_split_and_merge():
   _check_matches_f32(mpjax.autocast(fn), fn, state, _normal(1, (4, 16)))
 
 
+def test_what_an_nnx_module_sets_on_itself_is_carried_out_as_nnx_transforms_carry_it():
+  class Net(nnx.Module):
+    def __init__(self, rngs):
+      self.linear = nnx.Linear(16, 32, rngs=rngs)
+      self.norm = nnx.BatchNorm(32, rngs=rngs)
+      self.drop = nnx.Dropout(0.5, rngs=rngs)
+      self.out = nnx.Linear(32, 4, rngs=rngs)
+
+    def __call__(self, x):
+      return self.out(self.drop(nnx.relu(self.norm(self.linear(x)))))
+
+  def loss_fn(model, x):
+    return jnp.mean(model(x) ** 2)
+
+  def train(wrap):
+    model = Net(nnx.Rngs(0))
+    initial = jax.tree.map(jnp.copy, nnx.state(model, nnx.BatchStat, nnx.RngCount))
+
+    @nnx.jit
+    def step(model, x):
+      return nnx.value_and_grad(wrap(loss_fn))(model, x)
+
+    losses = [float(step(model, _normal(i, (8, 16)) + 3.0)[0]) for i in range(2)]
+    return initial, *nnx.state(model, nnx.BatchStat, nnx.RngCount), losses
+
+  (initial_stats, initial_counts), stats, counts, losses = train(lambda f: f)
+  _, cast_stats, cast_counts, cast_losses = train(mpjax.autocast)
+  # The premise: a step moves the running statistics and the dropout stream's count.
+  moved = jax.tree.map(lambda a, b: bool(jnp.any(a != b)), initial_stats, stats)
+  assert all(jax.tree.leaves(moved)) and jax.tree.leaves(initial_counts) != jax.tree.leaves(counts)
+  chex.assert_trees_all_equal(cast_counts, counts)  # the same dropout masks, step after step
+  chex.assert_trees_all_close(cast_stats, stats, rtol=3e-2, atol=3e-3)
+  chex.assert_type(jax.tree.leaves(cast_stats), jnp.float32)
+  np.testing.assert_allclose(cast_losses, losses, rtol=3e-2)
+
+
 # --- 5: explicit choices ------------------------------------------------------------------------
 
 DIMS = (((1,), (0,)), ((), ()))
