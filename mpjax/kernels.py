@@ -101,7 +101,9 @@ class KernelReport:
 
   @property
   def by_kind(self) -> Counter:
-    """Kernels per kind: ``gemm``, ``conv``, ``fusion``, ``copy``, ``conditional``, ``other``."""
+    """Kernels per kind: ``gemm``, ``conv``, ``fusion``, ``copy``, ``conditional``,
+    ``custom`` (a custom call that is no GEMM: a Pallas or Triton kernel, cuDNN attention),
+    ``other``."""
     return Counter(k.kind for k in self.kernels)
 
   @property
@@ -141,6 +143,12 @@ class KernelReport:
     that add them (part of :attr:`bytes_moved`). Compiled without a GPU these are the choices
     of untuned placeholder tiles; a real GPU's autotuner decides per GEMM whether to split."""
     return 2 * sum(k.split_k_partial_bytes for k in self.kernels)
+
+  @property
+  def custom_kernels(self) -> int:
+    """Custom-call kernels that are no GEMM (a Pallas or Triton kernel, cuDNN attention): the
+    report cannot read their FLOPs, so :attr:`estimated_seconds` counts only their bytes."""
+    return sum(k.kind == "custom" for k in self.kernels)
 
   @property
   def copy_bytes(self) -> int:
@@ -192,6 +200,7 @@ class KernelReport:
       "bytes_moved": self.bytes_moved,
       "split_k_gemms": self.split_k_gemms,
       "split_k_bytes": self.split_k_bytes,
+      "custom_kernels": self.custom_kernels,
       "copy_bytes": self.copy_bytes,
       "argument_bytes": self.argument_bytes,
       "temp_bytes": self.temp_bytes,
@@ -297,6 +306,8 @@ def _kernels(
         out.append(Kernel(instr.name, "copy", moved, 0.0, None))
       else:
         out.append(Kernel(instr.name, "fusion", moved, 0.0, None, inner == {"convert"}))
+    elif op == "custom-call":  # a kernel of its own (Pallas, Triton, cuDNN): FLOPs unknown
+      out.append(Kernel(instr.name, "custom", moved, 0.0, None))
     else:
       out.append(Kernel(instr.name, "copy" if op in _COPIES else "other", moved, 0.0, None))
   return out
@@ -421,6 +432,12 @@ def kernel_table(reports: Mapping[str, KernelReport]) -> str:
     placeholder += (
       " GEMMs that split K, with the bytes of their f32 partial sums (written, then read back "
       f"and added; in bytes moved): {', '.join(split)}."
+    )
+  custom = [f"{label} {r.custom_kernels}" for label, r in reports.items() if r.custom_kernels]
+  if custom:
+    placeholder += (
+      " Custom-call kernels that are no GEMM (Pallas, Triton or cuDNN kernels), whose FLOPs "
+      f"the report cannot read, so the estimate counts only their bytes: {', '.join(custom)}."
     )
   lines.append(
     f"\nCompiled for {t.device} without a GPU, in {mode}.{placeholder} The step time is a "

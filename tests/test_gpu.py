@@ -593,6 +593,28 @@ def test_the_estimate_splits_into_gemm_kernels_and_the_rest():
   assert report.to_dict()["estimated_gemm_ms"] == pytest.approx(1e6 / 989.4)
 
 
+def test_a_custom_kernel_that_is_no_gemm_is_counted_and_said_to_have_unknown_flops():
+  # A Pallas kernel as jax 0.10.2 compiles it for H100 (its Triton IR left out), after a GEMM.
+  hlo = """HloModule m
+ENTRY %main (p0: bf16[64,64], p1: bf16[64,64]) -> bf16[64,64] {
+  %p0 = bf16[64,64]{1,0} parameter(0)
+  %p1 = bf16[64,64]{1,0} parameter(1)
+  %dot.1 = bf16[64,64]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  ROOT %k.1 = bf16[64,64]{1,0} custom-call(%dot.1), custom_call_target="__gpu$xla.gpu.triton"
+}"""
+  report = mpjax.kernels.report_from_hlo(hlo, "h100")
+  gemm, kernel = report.kernels
+  assert (gemm.kind, kernel.kind) == ("gemm", "custom") and kernel.call is None
+  assert report.custom_kernels == report.to_dict()["custom_kernels"] == 1
+  assert kernel.bytes == 2 * 64 * 64 * 2 and kernel.flops == 0.0  # its FLOPs are not readable
+  assert report.kernel_seconds(kernel) == pytest.approx(kernel.bytes / 3.35e12)
+  assert "Custom-call kernels that are no GEMM" in mpjax.kernels.kernel_table({"x": report})
+  body, dot = hlo.splitlines()[:-3], hlo.splitlines()[-3].strip()
+  plain = mpjax.kernels.report_from_hlo("\n".join([*body, f"  ROOT {dot}", "}"]), "h100")
+  assert [k.kind for k in plain.kernels] == ["gemm"]
+  assert "Custom-call kernels" not in mpjax.kernels.kernel_table({"x": plain})
+
+
 # The H200 run that showed FP8 lost (results/gpu/gpu_check_h200.json, jax 0.11.2): gpu_check's
 # char LM (d_model 512, 8 heads, 4 layers, MLP 2048, seq 256, vocabulary 256, batch 16), its
 # mixed_fp8 step then quantize -> dequantize -> dot in FP8 for every layer GEMM but the first
