@@ -32,6 +32,8 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from mpjax.jax_compat import lowering_for
+
 __all__ = [
   "GEMM_BACKENDS",
   "GpuTarget",
@@ -290,7 +292,9 @@ def compile_for(
 
   Arrays in ``args``/``kwargs`` only give shapes and dtypes (no buffer is
   read). A ``jax.jit`` function keeps its own options (``donate_argnums``,
-  static arguments); a plain function is jitted as is.
+  static arguments); a plain function is jitted as is. Pallas kernels (Triton
+  backend) compile too: from jax 0.11 for the target's own GPU, while jax
+  0.10.2 lowers them for compute capability 9.0 whatever the target.
 
   Args:
     fn: the function, e.g. a jitted train step.
@@ -327,4 +331,6 @@ def compile_for(
   options = gemm_backend_options(gemm_backend)
   mesh = _mesh(target.name)
   jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
-  return jitted.lower(*_on(mesh, args), **_on(mesh, kwargs)).compile(options)
+  with lowering_for(mesh):
+    lowered = jitted.lower(*_on(mesh, args), **_on(mesh, kwargs))
+  return lowered.compile(options)

@@ -17,6 +17,13 @@ What differs per version:
 * ``shard_map``'s manual axes: ``manual_axes`` up to jax 0.10.1,
   ``newly_manual_axes`` from 0.10.2 on. :func:`shard_map_manual_axes` reads
   either.
+* Pallas's Triton lowering and the GPU it lowers for. From jax 0.11 it reads
+  the GPU (its compute capability) from the abstract mesh in context and,
+  outside one and with no GPU attached, raises "No supported GPU devices
+  found"; :func:`lowering_for` enters the target's abstract mesh there. jax
+  0.10.2 reads the attached devices and, finding no GPU, lowers a Pallas
+  kernel for compute capability 9.0 whatever the target (right for H100 and
+  H200, not for A100, L4 or B200); nothing is entered there.
 * ``jax._src.interpreters.partial_eval.dce_jaxpr`` gained a ``live_inputs``
   keyword in jax 0.12 (unused here; its positional arguments are the same).
 * Unchanged from 0.10.2 to 0.12.x, but private: the transpose rules of
@@ -30,6 +37,7 @@ Public: ``jax.extend.source_info_util`` (name stacks and tracebacks) and
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -63,6 +71,7 @@ __all__ = [
   "dot_general_transpose_lhs",
   "dot_general_transpose_rhs",
   "jax_version",
+  "lowering_for",
   "ragged_dot_general_transpose_rule",
   "saved_residuals",
   "scan_layout",
@@ -85,6 +94,17 @@ trace_context = _config.trace_context
 def jax_version() -> tuple[int, ...]:
   """The running jax's version as integers, e.g. ``(0, 12, 0, 1)``."""
   return tuple(int(p) for p in jax.__version__.split(".") if p.isdigit())
+
+
+def lowering_for(mesh: jax.sharding.Mesh) -> contextlib.AbstractContextManager[Any]:
+  """The context to lower a function for ``mesh``'s GPU in, with no GPU attached.
+
+  From jax 0.11 this is ``mesh``'s abstract mesh, from which Pallas's Triton
+  lowering reads the GPU; on jax 0.10 nothing (see the module's notes).
+  """
+  if jax_version() >= (0, 11):
+    return jax.sharding.use_abstract_mesh(mesh.abstract_mesh)
+  return contextlib.nullcontext()
 
 
 def scan_layout(params: Mapping[str, Any]) -> tuple[int, int]:

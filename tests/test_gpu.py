@@ -615,6 +615,26 @@ ENTRY %main (p0: bf16[64,64], p1: bf16[64,64]) -> bf16[64,64] {
   assert "Custom-call kernels" not in mpjax.kernels.kernel_table({"x": plain})
 
 
+@pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")  # jax >= 0.12
+@pytest.mark.filterwarnings("ignore:jax.experimental.pallas.ops.gpu.attention is deprecated")
+def test_a_pallas_flash_attention_compiles_for_the_gpu_and_its_kernels_are_counted():
+  # jax's own Pallas flash attention, forward and backward, as a model on the newest jax holds it:
+  # from jax 0.11 Pallas lowers only where it can read the GPU (compile_for gives it the target's).
+  from jax.experimental.pallas.ops.gpu import attention
+
+  q = jax.ShapeDtypeStruct((2, 256, 4, 64), jnp.bfloat16)  # (batch, length, heads, head_dim)
+
+  def loss(q, k, v):
+    out = attention.mha(q, k, v, segment_ids=None, causal=True)
+    return out.astype(jnp.float32).sum()
+
+  report = mpjax.kernel_report(jax.grad(loss, argnums=(0, 1, 2)), q, q, q, target="h100")
+  names = {k.name for k in report.kernels if k.kind == "custom"}
+  assert report.custom_kernels == len(names) >= 2, names  # the forward and the backward kernels
+  assert report.by_kind["gemm"] == 0  # attention's GEMMs are inside them, not XLA's
+  assert "Custom-call kernels that are no GEMM" in mpjax.kernels.kernel_table({"mha": report})
+
+
 # The H200 run that showed FP8 lost (results/gpu/gpu_check_h200.json, jax 0.11.2): gpu_check's
 # char LM (d_model 512, 8 heads, 4 layers, MLP 2048, seq 256, vocabulary 256, batch 16), its
 # mixed_fp8 step then quantize -> dequantize -> dot in FP8 for every layer GEMM but the first
