@@ -41,7 +41,7 @@ MLP's 4096x4096 layer at batch 256, and 2048^3) in f32 against bf16 x bf16 ->
 f32. Prints markdown tables; ``--json`` also writes every figure and the tables.
 
     python scripts/bench.py [--models mlp,transformer] [--rounds 15] [--compiles 3] [--json F]
-    python scripts/bench.py --target h100 [--models mlp,transformer,gpt2]   # no GPU needed
+    python scripts/bench.py --target h100 [--models mlp,transformer,gpt2,gpt2_fused]  # no GPU
     python scripts/bench.py --target h100 --gemm_backend cublaslt   # Triton GEMMs off
 
 With ``--target``, nothing is timed: every variant's step (but Keras's) is
@@ -52,7 +52,12 @@ It compiles in XLA's default mode, the one users run (Triton GEMM fusions on,
 with placeholder tiles: nothing autotunes without a GPU), unless
 ``--gemm_backend cublaslt`` turns Triton GEMMs off; ``--json`` records the
 mode, the XLA options, ``XLA_FLAGS`` and the jax, jaxlib and compiler plugin
-versions.
+versions. ``gpt2`` is GPT-2 small (12 layers, d768, seq 1024, batch 8) with
+the transformer's attention, which writes its scores to memory; ``gpt2_fused``
+the same with a fused flash attention (jax's Pallas kernel, in bf16 in every
+variant, as flash kernels run), as GPT-2 trains on a GPU: its kernels are
+custom calls whose FLOPs the report cannot read, so the bench counts them
+from the shapes and says what the estimate leaves out.
 """
 
 from __future__ import annotations
@@ -63,6 +68,7 @@ import os
 import statistics
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -93,11 +99,45 @@ class MLP(nn.Module):
     return x
 
 
+def _fused_attention(q: jax.Array, k: jax.Array, v: jax.Array, interpret: bool) -> jax.Array:
+  """Causal attention in one kernel forward and one backward: jax's Pallas flash attention.
+
+  The scores never reach memory, as with cuDNN's fused attention (which XLA
+  does not compile without a GPU). A Triton kernel: it compiles for NVIDIA GPU
+  targets only (``interpret`` runs it on the CPU, for ``init``). Deprecated on
+  jax 0.12 (Pallas's Triton backend, in favour of Mosaic GPU and tokamax,
+  neither of which compiles here on both jax versions), hence the warnings
+  silenced.
+  """
+  with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", "The Pallas Triton backend is deprecated")
+    warnings.filterwarnings("ignore", "jax.experimental.pallas.ops.gpu.attention is deprecated")
+    from jax.experimental.pallas.ops.gpu.attention import mha
+
+    scale = 1 / np.sqrt(q.shape[-1])
+    return mha(q, k, v, segment_ids=None, sm_scale=scale, causal=True, interpret=interpret)
+
+
+def fused_attention_flops(sizes: dict[str, int], batch_size: int) -> float:
+  """The GEMM FLOPs of a step's :func:`_fused_attention`, which the kernel report cannot read.
+
+  Per layer, GEMMs of ``batch * heads * seq^2 * head_dim`` multiply-adds: 2
+  forward (scores, values) and 7 backward (the dK/dV kernel recomputes the
+  scores and the probabilities' gradient, then dV and dK; the dQ kernel
+  recomputes those two again, then dQ), each half computed (causal: the
+  kernels skip the blocks above the diagonal).
+  """
+  seq, heads, d_model = sizes["seq"], sizes["heads"], sizes["d_model"]
+  per_gemm = 2.0 * batch_size * heads * seq * seq * (d_model // heads) / 2
+  return sizes["layers"] * (2 + 7) * per_gemm
+
+
 class Block(nn.Module):
   d_model: int
   heads: int
   mlp: int
   dtype: Any = None
+  attention: str = "materialized"  # or "fused": jax's Pallas flash attention (GPU targets)
 
   @nn.compact
   def __call__(self, x):
@@ -105,11 +145,16 @@ class Block(nn.Module):
     h = nn.LayerNorm(dtype=self.dtype)(x)
     qkv = nn.Dense(3 * self.d_model, dtype=self.dtype)(h).reshape(b, s, 3, self.heads, -1)
     q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(q.shape[-1]).astype(q.dtype)
-    mask = jnp.tril(jnp.ones((s, s), bool))
-    scores = jnp.where(mask, scores, jnp.finfo(scores.dtype).min)
-    probs = jax.nn.softmax(scores.astype(jnp.float32)).astype(v.dtype)
-    attn = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, s, self.d_model)
+    if self.attention == "fused":  # in bf16 whatever the model's dtype, as flash kernels run
+      half = [t.astype(jnp.bfloat16) for t in (q, k, v)]
+      attn = _fused_attention(*half, interpret=self.is_initializing()).astype(q.dtype)
+    else:
+      scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(q.shape[-1]).astype(q.dtype)
+      mask = jnp.tril(jnp.ones((s, s), bool))
+      scores = jnp.where(mask, scores, jnp.finfo(scores.dtype).min)
+      probs = jax.nn.softmax(scores.astype(jnp.float32)).astype(v.dtype)
+      attn = jnp.einsum("bhqk,bkhd->bqhd", probs, v)
+    attn = attn.reshape(b, s, self.d_model)
     x = x + nn.Dense(self.d_model, dtype=self.dtype)(attn)
     h = nn.LayerNorm(dtype=self.dtype)(x)
     h = nn.Dense(self.mlp, dtype=self.dtype)(h)
@@ -123,13 +168,14 @@ class TransformerLM(nn.Module):
   mlp: int = 2048
   layers: int = 4
   dtype: Any = None
+  attention: str = "materialized"
 
   @nn.compact
   def __call__(self, tokens):
     x = nn.Embed(self.vocab, self.d_model, dtype=self.dtype)(tokens)
     x = x + self.param("pos", nn.initializers.normal(0.02), (tokens.shape[1], self.d_model))
     for _ in range(self.layers):
-      x = Block(self.d_model, self.heads, self.mlp, self.dtype)(x)
+      x = Block(self.d_model, self.heads, self.mlp, self.dtype, self.attention)(x)
     return nn.Dense(self.vocab, dtype=self.dtype)(nn.LayerNorm(dtype=self.dtype)(x))
 
 
@@ -155,8 +201,10 @@ def _workload(name: str, small: bool) -> tuple[Callable[[Any], nn.Module], Any, 
     else dict(vocab=512, d_model=512, heads=8, mlp=2048, layers=4)
   )
   seq, batch_size = (16, 2) if small else (256, 4)
-  if name == "gpt2" and not small:  # GPT-2 small's shape; its vocabulary padded to 64
+  if name in ("gpt2", "gpt2_fused") and not small:  # GPT-2 small; its vocabulary padded to 64
     dims, seq, batch_size = dict(vocab=50304, d_model=768, heads=12, mlp=3072, layers=12), 1024, 8
+  if name == "gpt2_fused":  # its attention fused (GPU targets only)
+    dims = dict(dims, attention="fused", heads=2 if small else 12)  # Triton: head_dim >= 16
   tokens = jax.random.randint(key, (batch_size, seq + 1), 0, dims["vocab"])
   batch = {"x": tokens[:, :-1], "y": tokens[:, 1:]}
   return (
@@ -268,6 +316,8 @@ def _variants(
   (:data:`FP8_HEAD`), which the default recipe keeps in bf16.
   """
   make_model, batch, loss, sizes = _workload(name, small)
+  # A fused attention is a Pallas kernel, which autocast runs as traced (in bf16, see Block).
+  rules = {"pallas_call": "keep"} if sizes.get("attention") == "fused" else None
   tx = optax.adam(1e-4)
   f32_model = make_model(None)
   params = f32_model.init(jax.random.key(2), batch["x"])
@@ -294,14 +344,16 @@ def _variants(
     def loss_of(params, batch):
       return loss(f32_model.apply(params, batch["x"]), batch)
 
-    step = mpjax.make_train_step(loss_of, autocast=autocast, skip_nonfinite=skip_nonfinite)
+    step = mpjax.make_train_step(
+      loss_of, autocast=autocast, autocast_rules=rules, skip_nonfinite=skip_nonfinite
+    )
 
     def init():
       return mpjax.TrainState.create(apply_fn=f32_model.apply, params=params, tx=tx, policy=policy)
 
     p = mpjax.get_policy(policy)
     run = (
-      mpjax.autocast(loss_of, p)
+      mpjax.autocast(loss_of, p, rules=rules)
       if autocast
       else lambda params, batch: loss_of(p.cast_to_compute(params), p.cast_to_compute(batch))
     )
@@ -460,6 +512,27 @@ def fp8_bound(fp8: Any, bf16: Any) -> str:
   )
 
 
+def fused_attention_line(reports: dict[str, Any], name: str, small: bool) -> str:
+  """What the estimate leaves out of a fused attention (custom kernels): its GEMM FLOPs."""
+  _, batch, _, sizes = _workload(name, small)
+  report = reports["mpjax mixed_bf16 autocast"]
+  kernels = [k for k in report.kernels if k.kind == "custom"]
+  bytes_seconds = sum(report.kernel_seconds(k) for k in kernels)
+  flops = fused_attention_flops(sizes, batch["x"].shape[0])
+  flops_seconds = flops / (report.target.peak_tflops("bfloat16") * 1e12)
+  verdict = (
+    "so their bytes bound them and the estimates stand"
+    if flops_seconds <= bytes_seconds
+    else f"so each estimate is {1e3 * (flops_seconds - bytes_seconds):.2f} ms short"
+  )
+  return (
+    f"The fused attention (bf16 in every variant): {len(kernels)} Pallas kernels a step, which "
+    f"the estimates count by their bytes ({1e3 * bytes_seconds:.2f} ms at the bandwidth in "
+    f"mixed_bf16); their GEMMs, {flops:.4g} FLOP counted from the shapes, take "
+    f"{1e3 * flops_seconds:.2f} ms at the bf16 peak, {verdict}."
+  )
+
+
 def compile_record(target: str, gemm_backend: str) -> dict[str, Any]:
   """How ``--target`` compiled: the GEMM mode, the XLA options and flags, the versions."""
   import jaxlib
@@ -564,7 +637,8 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, dict[str, float]]
     help="instead of timing here: compile every variant for this GPU (h100, a100, ...; needs "
     "XLA's CUDA compiler plugin, see the README) and print its kernels, bytes, temp memory and "
     "a roofline estimate; "
-    "--models may then include gpt2 (GPT-2 small: 12 layers, d768, seq 1024, batch 8)",
+    "--models may then include gpt2 (GPT-2 small: 12 layers, d768, seq 1024, batch 8) and "
+    "gpt2_fused (the same with fused flash attention)",
   )
   parser.add_argument(
     "--gemm_backend",
@@ -576,6 +650,11 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, dict[str, float]]
   )
   parser.add_argument("--json", help="write every figure and the markdown tables to this file")
   args = parser.parse_args(argv)
+  if "gpt2_fused" in args.models.split(",") and not args.target:
+    parser.error(
+      "--models gpt2_fused needs --target (e.g. --target h100): its attention is a Pallas "
+      "Triton kernel, which runs on NVIDIA GPUs, not here"
+    )
   if args.target:
     from mpjax.gpu import describe_gemm_backend
     from mpjax.kernels import kernel_table
@@ -586,6 +665,8 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, dict[str, float]]
       reports = gpu_compile(name, args.target, args.small, args.gemm_backend)
       record[name] = {label: r.to_dict() for label, r in reports.items()}
       fp8_line = fp8_against_bf16(reports) if mpjax.get_target(args.target).fp8_tflops else ""
+      if any(r.custom_kernels for r in reports.values()):
+        fp8_line += "\n\n" + fused_attention_line(reports, name, args.small)
       tables.append(f"**{name} on {args.target}, {mode}**\n\n{kernel_table(reports)}\n\n{fp8_line}")
       print(tables[-1], end="\n\n", flush=True)
     if args.json:

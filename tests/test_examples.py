@@ -108,6 +108,13 @@ def _script(name):
   return module
 
 
+def test_bench_fused_attention_needs_a_gpu_target(capsys):
+  with pytest.raises(SystemExit) as exit_info:
+    _script("bench").main(["--small", "--models", "gpt2_fused"])
+  assert exit_info.value.code == 2
+  assert "--models gpt2_fused needs --target (e.g. --target h100)" in capsys.readouterr().err
+
+
 def test_bench_script_runs_every_variant(capsys):
   results = _script("bench").main(["--small", "--rounds", "2", "--compiles", "2"])
   assert set(results) == {"mlp", "transformer"}

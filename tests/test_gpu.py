@@ -423,6 +423,33 @@ def test_bench_target_prints_kernel_tables_with_ratios(tmp_path):
   assert results["plain fp32"]["calls"] == {"triton_gemm": results["plain fp32"]["by_kind"]["gemm"]}
 
 
+@pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")  # jax >= 0.12
+def test_bench_target_with_fused_attention_counts_its_kernels_and_flops(tmp_path):
+  # GPT-2 with jax's Pallas flash attention (here its small shape: 2 layers): the attention's
+  # GEMMs are in custom kernels, which the bench names and whose FLOPs it counts from the shapes.
+  out = tmp_path / "bench.json"
+  argv = ["--target", "h100", "--small", "--models", "gpt2_fused", "--json", str(out)]
+  result = subprocess.run(
+    [sys.executable, "scripts/bench.py", *argv],
+    cwd=pathlib.Path(__file__).parent.parent,
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
+  assert result.returncode == 0, result.stderr
+  results = json.loads(out.read_text())["results"]["gpt2_fused"]
+  layers, dense_per_layer = 2, 4  # each Dense: 3 GEMMs (forward, both gradients); and the head
+  for label, r in results.items():
+    assert r["custom_kernels"] >= 2 * layers, label  # a forward and a backward kernel per layer
+    assert sum(r["calls"].values()) == 3 * (dense_per_layer * layers + 1), (label, r["calls"])
+  assert 0 < results["mpjax mixed_fp8 autocast"]["fp8_gemms"]
+  # Per layer 9 GEMMs (2 forward, 7 backward) of 2 * batch * heads * seq^2 * head_dim FLOPs,
+  # half of each computed (causal); batch 2, 2 heads, seq 16, head_dim 16.
+  flops = layers * 9 * (2 * 2 * 2 * 16 * 16 * 16) / 2
+  assert "The fused attention (bf16 in every variant): " in result.stdout
+  assert f"their GEMMs, {flops:.4g} FLOP counted from the shapes" in result.stdout
+
+
 @pytest.fixture(scope="module")
 def fp8_lm():
   step, state, batch = _lm_step("mixed_fp8")
