@@ -650,6 +650,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, dict[str, float]]
   )
   parser.add_argument("--json", help="write every figure and the markdown tables to this file")
   args = parser.parse_args(argv)
+  command = " ".join(["python scripts/bench.py", *(sys.argv[1:] if argv is None else argv)])
   if "gpt2_fused" in args.models.split(",") and not args.target:
     parser.error(
       "--models gpt2_fused needs --target (e.g. --target h100): its attention is a Pallas "
@@ -672,7 +673,8 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, dict[str, float]]
     if args.json:
       with open(args.json, "w") as f:
         compiled = compile_record(args.target, args.gemm_backend)
-        json.dump({**compiled, "results": record, "markdown": "\n\n".join(tables)}, f, indent=2)
+        saved = {"command": command, **compiled, "results": record}
+        json.dump({**saved, "markdown": "\n\n".join(tables)}, f, indent=2)
     return record
   keras = args.keras == "yes" or (args.keras == "auto" and not args.small)
   if args.keras == "auto" and args.small:
@@ -691,7 +693,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, dict[str, float]]
       record = {
         "device": device_description(),
         "jax": jax.__version__,
-        "command": " ".join(["python scripts/bench.py", *(sys.argv[1:] if argv is None else argv)]),
+        "command": command,
         "backend": jax.default_backend(),
         "results": all_results,
         "ceiling": gemm_ceiling,

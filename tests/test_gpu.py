@@ -415,6 +415,7 @@ def test_bench_target_prints_kernel_tables_with_ratios(tmp_path):
   assert 0 < fp8["estimated_gemm_ms"] < fp8["estimated_ms"]
   assert f"the step would be {bound:.3f}x" in result.stdout
   # The record says how it compiled: the mode, the XLA options and flags, the versions.
+  assert record["command"].startswith("python scripts/bench.py --target h100 --small")
   assert (record["gemm_backend"], record["gemm_mode"]) == ("default", mode)
   assert record["xla_options"] == {"xla_gpu_enable_triton_gemm": True}
   assert record["jax"] == jax.__version__ and record["jaxlib"] and record["compiler_plugins"]
