@@ -381,7 +381,7 @@ def _variants(
 
 
 # mixed_fp8 with only the first FP8-eligible GEMM kept in bf16: the output head
-# (GPT-2's tied LM head, the MLP's last layer) multiplies in FP8 too.
+# (GPT-2's LM head, the MLP's last layer) multiplies in FP8 too.
 FP8_HEAD = mpjax.Policy(
   jnp.float32, jnp.bfloat16, jnp.float32, fp8=mpjax.Fp8Recipe(keep_bf16=("first",))
 )
