@@ -104,10 +104,10 @@ def _fused_attention(q: jax.Array, k: jax.Array, v: jax.Array, interpret: bool) 
 
   The scores never reach memory, as with cuDNN's fused attention (which XLA
   does not compile without a GPU). A Triton kernel: it compiles for NVIDIA GPU
-  targets only (``interpret`` runs it on the CPU, for ``init``). Deprecated on
-  jax 0.12 (Pallas's Triton backend, in favour of Mosaic GPU and tokamax,
-  neither of which compiles here on both jax versions), hence the warnings
-  silenced.
+  targets only (``interpret`` runs it on the CPU, for ``init``). jax 0.12
+  deprecates Pallas's Triton backend in favour of Mosaic GPU kernels and
+  tokamax (hence the warnings silenced); Mosaic GPU kernels do not compile
+  without a GPU on jax 0.10.2, and this kernel compiles on both versions.
   """
   with warnings.catch_warnings():
     warnings.filterwarnings("ignore", "The Pallas Triton backend is deprecated")
