@@ -52,6 +52,9 @@ __all__ = [
 # jaxlib version mpjax supports; the first is what the README installs.
 _PLUGINS = ("jax-cuda12-pjrt", "jax-cuda13-pjrt")
 
+# What jax raises when it traces cuDNN's fused attention with no GPU (jax 0.10.2 to 0.12).
+_NO_CUDNN = "cuDNN is not detected."
+
 
 def installed_plugins() -> dict[str, str]:
   """The installed XLA CUDA compiler plugins (``jax-cuda12-pjrt``...) and their versions.
@@ -315,7 +318,9 @@ def compile_for(
   Raises:
     ValueError: for an unknown target or GEMM backend.
     RuntimeError: when the compiler plugin (``jax-cuda12-pjrt`` or ``jax-cuda13-pjrt``) is
-      missing or does not match jaxlib; the message gives the command that fixes it.
+      missing or does not match jaxlib; the message gives the command that fixes it. Also
+      when ``fn`` calls cuDNN's fused attention, which jax traces only with a GPU; the
+      message names what compiles instead.
 
   Example:
     >>> import jax.numpy as jnp, mpjax
@@ -332,5 +337,17 @@ def compile_for(
   mesh = _mesh(target.name)
   jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
   with lowering_for(mesh):
-    lowered = jitted.lower(*_on(mesh, args), **_on(mesh, kwargs))
+    try:
+      lowered = jitted.lower(*_on(mesh, args), **_on(mesh, kwargs))
+    except RuntimeError as e:
+      if str(e) != _NO_CUDNN:
+        raise
+      raise RuntimeError(
+        f"compile_for({target.name!r}): the function calls cuDNN's fused attention "
+        "(jax.nn.dot_product_attention(..., implementation='cudnn')), which jax traces only with "
+        f"a GPU attached (it raised {_NO_CUDNN!r}). To compile it here, use "
+        "implementation='xla' or None (jax's default, XLA's attention on a GPU too) or a Pallas "
+        "kernel (jax.experimental.pallas.ops.gpu.attention.mha compiles for the target); or "
+        "compile on the GPU."
+      ) from e
   return lowered.compile(options)

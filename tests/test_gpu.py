@@ -663,6 +663,26 @@ def test_a_pallas_flash_attention_compiles_for_the_gpu_and_its_kernels_are_count
   assert "Custom-call kernels that are no GEMM" in mpjax.kernels.kernel_table({"mha": report})
 
 
+def test_cudnn_attention_which_needs_a_gpu_to_trace_gets_an_error_that_names_what_compiles():
+  # jax traces cuDNN's fused attention only with a GPU; inside a mixed-precision train step, as
+  # `mpjax doctor --target` compiles it, the error says so and what compiles instead.
+  def loss_fn(params, batch):
+    q = (batch["x"] @ params["w"]).reshape(2, 128, 4, 64)
+    out = jax.nn.dot_product_attention(q, q, q, is_causal=True, implementation="cudnn")
+    return out.astype(jnp.float32).mean()
+
+  state = mpjax.TrainState.create(
+    apply_fn=None, params={"w": jnp.ones((64, 256))}, tx=optax.sgd(0.1), policy="mixed_bf16"
+  )
+  batch = {"x": jnp.ones((256, 64))}
+  step = jax.jit(mpjax.make_train_step(loss_fn))
+  with pytest.raises(RuntimeError, match="cuDNN is not detected") as raised:
+    jax.eval_shape(step, state, batch)  # the premise: without a GPU jax cannot trace it at all
+  assert "compile_for" not in str(raised.value)
+  with pytest.raises(RuntimeError, match=r"calls cuDNN's fused attention .* implementation='xla'"):
+    mpjax.kernel_report(step, state, batch, target="h100")
+
+
 # The H200 run that showed FP8 lost (results/gpu/gpu_check_h200.json, jax 0.11.2): gpu_check's
 # char LM (d_model 512, 8 heads, 4 layers, MLP 2048, seq 256, vocabulary 256, batch 16), its
 # mixed_fp8 step then quantize -> dequantize -> dot in FP8 for every layer GEMM but the first
