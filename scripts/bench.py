@@ -102,8 +102,8 @@ class MLP(nn.Module):
 def _fused_attention(q: jax.Array, k: jax.Array, v: jax.Array, interpret: bool) -> jax.Array:
   """Causal attention in one kernel forward and one backward: jax's Pallas flash attention.
 
-  The scores never reach memory, as with cuDNN's fused attention (which XLA
-  does not compile without a GPU). A Triton kernel: it compiles for NVIDIA GPU
+  The scores never reach memory, as with cuDNN's fused attention (which jax
+  traces only with a GPU). A Triton kernel: it compiles for NVIDIA GPU
   targets only (``interpret`` runs it on the CPU, for ``init``). jax 0.12
   deprecates Pallas's Triton backend in favour of Mosaic GPU kernels and
   tokamax (hence the warnings silenced); Mosaic GPU kernels do not compile
