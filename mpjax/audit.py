@@ -40,7 +40,7 @@ from mpjax.hlo import (
   short_dtype,
 )
 from mpjax.jax_compat import dce_jaxpr
-from mpjax.jaxpr_gemms import Flag, GemmRow, jaxpr_gemms
+from mpjax.jaxpr_gemms import Flag, GemmRow, jaxpr_custom_kernels, jaxpr_gemms
 
 __all__ = [
   "AuditReport",
@@ -279,12 +279,16 @@ class AuditReport:
     compiled_note: what was read from the compiled HLO, or why it was not.
     compiled_only: compiled GEMMs that match no row (merged by XLA, or
       introduced by it).
+    custom_kernels: the path of each custom kernel (a Pallas ``pallas_call``):
+      the GEMMs inside it are not audited, nor counted in the share (see
+      :func:`mpjax.jaxpr_gemms.jaxpr_custom_kernels`).
   """
 
   rows: tuple[GemmRow, ...]
   platform: str
   compiled_note: str
   compiled_only: tuple[CompiledGemm, ...] = ()
+  custom_kernels: tuple[str, ...] = ()
 
   @property
   def total_flops(self) -> float:
@@ -339,6 +343,7 @@ class AuditReport:
       "half_lost_flops": sum(r.flops for r in self.half_lost),
       "rows": [r.to_dict() for r in self.rows],
       "compiled_only": [g.to_dict() for g in self.compiled_only],
+      "custom_kernels": list(self.custom_kernels),
     }
 
   def to_markdown(self) -> str:
@@ -409,6 +414,17 @@ class AuditReport:
         f"it for {said} (`unknown`), {len(unknown) - said} have no compiled GEMM read and write "
         "a half dtype): the fast-path share does not count them as accumulating in f32.",
       ]
+    if self.custom_kernels:
+      where = Counter(self.custom_kernels)
+      lines += [
+        "",
+        f"Not audited: {len(self.custom_kernels)} custom kernels (Pallas `pallas_call`), whose "
+        "GEMMs run inside them: neither the traced program (one block of each kernel) nor the "
+        "compiled one (a custom call) shows their shapes, dtypes or FLOPs, so they are not "
+        "rows and not in the share. At: "
+        + ", ".join(f"`{path}`" + (f" (x{n})" if n > 1 else "") for path, n in where.items())
+        + ".",
+      ]
     lines += [
       "",
       f"Compiled HLO ({self.platform}): {self.compiled_note}",
@@ -468,6 +484,7 @@ def audit_jaxpr(jaxpr: Any, *, platform: str = "cpu", hlo_text: str | None = Non
   # computes and no one asks for) is removed here, as XLA removes it.
   inner, _ = dce_jaxpr(inner, [True] * len(inner.outvars))
   rows = jaxpr_gemms(inner)
+  kernels = tuple(jaxpr_custom_kernels(inner))
   compiled_only: tuple[CompiledGemm, ...] = ()
   if hlo_text is not None:
     compiled = parse_compiled_gemms(hlo_text)
@@ -500,7 +517,7 @@ def audit_jaxpr(jaxpr: Any, *, platform: str = "cpu", hlo_text: str | None = Non
   for r in rows:
     r = dataclasses.replace(r, flags=_flags(r, platform))
     final.append(dataclasses.replace(r, fast=_is_fast(r)))
-  return AuditReport(tuple(final), platform, note, compiled_only)
+  return AuditReport(tuple(final), platform, note, compiled_only, kernels)
 
 
 def _abstract(tree: Any) -> Any:

@@ -6,7 +6,10 @@ jaxpr nested in it (``jit``, ``custom_jvp``/``custom_vjp``, ``cond``,
 ``dot_general``, ``ragged_dot_general`` and ``conv_general_dilated`` with its
 operand and result dtypes, shapes, FLOPs, module path and precision, and
 whether its dimensions suit Tensor Cores. An operand dequantized from FP8 right
-before the GEMM counts as an FP8 operand. The traced side of the audit, as
+before the GEMM counts as an FP8 operand. A custom kernel (a Pallas
+``pallas_call``) is not walked into: its program is one block of a kernel
+grid, whose dots are not the GEMMs XLA compiles; :func:`jaxpr_custom_kernels`
+lists where they are. The traced side of the audit, as
 :mod:`mpjax.hlo` is the compiled side; :mod:`mpjax.audit` matches the two and
 flags what misses the fast path.
 """
@@ -26,9 +29,11 @@ from mpjax.gemm_equations import dot_numbers, gemm_flops
 from mpjax.hlo import GemmOperands, dot_dims, is_fp8, is_half, short_dtype
 from mpjax.jax_compat import shard_map_manual_axes
 
-__all__ = ["Flag", "GemmRow", "jaxpr_gemms"]
+__all__ = ["Flag", "GemmRow", "jaxpr_custom_kernels", "jaxpr_gemms"]
 
 _GEMM_PRIMITIVES = ("dot_general", "ragged_dot_general", "conv_general_dilated")
+# Primitives that hold a kernel's own program (one grid block of it): a custom call once compiled.
+_KERNEL_PRIMITIVES = ("pallas_call",)
 
 
 class Flag(NamedTuple):
@@ -244,9 +249,11 @@ def _walk(
   count: int,
   note: str,
   rows: list[GemmRow],
+  kernels: list[str],
   fp8_of: dict[Any, np.dtype] | None = None,
 ) -> None:
-  """Appends a row for each GEMM of ``jaxpr`` and of every jaxpr nested in it.
+  """Appends a row for each GEMM of ``jaxpr`` and of every jaxpr nested in it, and the path
+  of each custom kernel to ``kernels`` (``count`` times).
 
   ``fp8_of`` maps the values dequantized from FP8 (``convert(q) * scale``) to
   their FP8 dtype.
@@ -268,6 +275,9 @@ def _walk(
     if name in _GEMM_PRIMITIVES:
       rows.append(_row(eqn, path, count, note, fp8_of))
       continue
+    if name in _KERNEL_PRIMITIVES:
+      kernels += [path or name] * count
+      continue
     # custom_vjp_call / custom_jvp_call: their call_jaxpr is what runs when they
     # are not differentiated; under jax.grad their fwd and bwd rules are already
     # traced into plain equations of the outer jaxpr.
@@ -285,7 +295,7 @@ def _walk(
           for i, o in zip(sub.invars, eqn.invars, strict=True)
           if not isinstance(o, jcore.Literal) and o in fp8_of
         }
-      _walk(sub, path, count * repeat, inner_note, rows, inner_fp8)
+      _walk(sub, path, count * repeat, inner_note, rows, kernels, inner_fp8)
 
 
 def jaxpr_gemms(jaxpr: Any) -> list[GemmRow]:
@@ -307,5 +317,35 @@ def jaxpr_gemms(jaxpr: Any) -> list[GemmRow]:
     ('bf16 x bf16 -> bf16', 16, 2048.0)
   """
   rows: list[GemmRow] = []
-  _walk(jaxpr, "", 1, "", rows)
+  _walk(jaxpr, "", 1, "", rows, [])
   return rows
+
+
+def jaxpr_custom_kernels(jaxpr: Any) -> list[str]:
+  """The name-stack path of each custom kernel (a Pallas ``pallas_call``) of ``jaxpr``.
+
+  Its GEMMs are not among :func:`jaxpr_gemms`' rows: its program is one block
+  of the kernel's grid, and it compiles to a custom call whose GEMMs the
+  compiled HLO does not show either. A kernel in a ``scan`` body is listed once
+  per iteration.
+
+  Args:
+    jaxpr: a ``Jaxpr`` (``jax.make_jaxpr(fn)(*args).jaxpr``).
+
+  Returns:
+    The paths in program order (the primitive's name where there is no path).
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from jax.experimental import pallas as pl
+    >>> from mpjax.jaxpr_gemms import jaxpr_custom_kernels
+    >>> def square(x_ref, o_ref):
+    ...   o_ref[...] = x_ref[...] @ x_ref[...]
+    >>> def kernel(x):
+    ...   return pl.pallas_call(square, out_shape=x, interpret=True)(x)
+    >>> jaxpr_custom_kernels(jax.make_jaxpr(kernel)(jnp.ones((16, 16))).jaxpr)
+    ['pallas_call']
+  """
+  kernels: list[str] = []
+  _walk(jaxpr, "", 1, "", [], kernels)
+  return kernels

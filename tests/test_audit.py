@@ -550,3 +550,38 @@ def test_the_hlo_reader_reads_a_train_step_that_an_h200_compiled_and_autotuned()
   # The same model FLOPs as the saved run's audit (split-K changes the shapes, not the FLOPs).
   assert report.flops == record["counts"]["gemm_flops"] == run["audit"]["total_flops"]
   assert {k.peak_dtype for k in report.kernels if k.kind == "gemm"} == {"bfloat16"}
+
+
+@pytest.mark.filterwarnings("ignore:jax.experimental.pallas.ops.gpu.attention is deprecated")
+def test_gemms_inside_a_pallas_kernel_are_not_audited_and_the_report_says_so():
+  from jax.experimental.pallas.ops.gpu import attention
+
+  from mpjax.jaxpr_gemms import sub_jaxprs
+
+  def loss(w, x):  # a projection, then jax's flash attention (interpreted: this is a CPU)
+    q = (x @ w).reshape(2, 32, 2, 16)
+    return attention.mha(q, q, q, None, causal=True, interpret=True).astype(jnp.float32).sum()
+
+  w, x = jnp.ones((32, 32), jnp.bfloat16), jnp.ones((64, 32), jnp.bfloat16)
+  grad = jax.jit(jax.grad(loss))
+
+  # The premise: the kernels' own programs hold dots (one grid block's), which are no GEMM of
+  # the program XLA compiles.
+  def eqns(jaxpr):
+    for e in jaxpr.eqns:
+      yield e
+      for _, sub in sub_jaxprs(e):
+        yield from eqns(sub)
+
+  kernels = [e for e in eqns(jax.make_jaxpr(grad)(w, x).jaxpr) if e.primitive.name == "pallas_call"]
+  assert len(kernels) >= 2  # forward and backward
+  inner = [e for k in kernels for _, sub in sub_jaxprs(k) for e in eqns(sub)]
+  assert any(e.primitive.name == "dot_general" for e in inner)
+  report = audit(grad, w, x)
+  assert [r.path for r in report.rows if "mha" in r.path] == []
+  assert len(report.rows) == 2  # the projection, forward and its weight gradient
+  assert report.total_flops == 2 * (2 * 64 * 32 * 32)
+  assert len(report.custom_kernels) == len(kernels)
+  assert report.to_dict()["custom_kernels"] == list(report.custom_kernels)
+  text = report.to_markdown()
+  assert f"Not audited: {len(kernels)} custom kernels (Pallas `pallas_call`)" in text

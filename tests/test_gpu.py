@@ -661,6 +661,10 @@ def test_a_pallas_flash_attention_compiles_for_the_gpu_and_its_kernels_are_count
   assert report.custom_kernels == len(names) >= 2, names  # the forward and the backward kernels
   assert report.by_kind["gemm"] == 0  # attention's GEMMs are inside them, not XLA's
   assert "Custom-call kernels that are no GEMM" in mpjax.kernels.kernel_table({"mha": report})
+  # The audit lists no GEMM of a kernel's own program, and says which kernels it did not read.
+  audited = mpjax.audit(jax.grad(loss, argnums=(0, 1, 2)), q, q, q, target="h100")
+  assert audited.rows == () and len(audited.custom_kernels) == report.custom_kernels
+  assert "Not audited: " in audited.to_markdown()
 
 
 def test_cudnn_attention_which_needs_a_gpu_to_trace_gets_an_error_that_names_what_compiles():
