@@ -420,8 +420,8 @@ class AuditReport:
         "",
         f"Not audited: {len(self.custom_kernels)} custom kernels (Pallas `pallas_call`), whose "
         "GEMMs run inside them: neither the traced program (one block of each kernel) nor the "
-        "compiled one (a custom call) shows their shapes, dtypes or FLOPs, so they are not "
-        "rows and not in the share. At: "
+        "compiled one (a custom call on a GPU) shows their shapes, dtypes or FLOPs, so they are "
+        "not rows and not in the share. At: "
         + ", ".join(f"`{path}`" + (f" (x{n})" if n > 1 else "") for path, n in where.items())
         + ".",
       ]
