@@ -512,6 +512,57 @@ def test_fp8_gemm_dims_not_a_multiple_of_16_are_flagged():
   assert all(not r.misaligned for r in report.rows if r not in fp8_rows)
 
 
+def _mlp_step(policy, depth):
+  """(jitted Adam step of an MLP of ``depth`` Dense layers, 256 wide; state; batch): abstract."""
+  layers = [nn.Dense(256)]
+  for _ in range(depth - 1):
+    layers += [nn.relu, nn.Dense(256)]
+  model = nn.Sequential(layers)
+  batch = jax.ShapeDtypeStruct((64, 256), jnp.float32)
+  params = jax.eval_shape(model.init, jax.random.key(0), batch)
+  step = jax.jit(mpjax.make_train_step(lambda p, b: jnp.mean(model.apply(p, b) ** 2)))
+  state = jax.eval_shape(
+    lambda p: mpjax.TrainState.create(
+      apply_fn=model.apply, params=p, tx=optax.adam(1e-3), policy=policy
+    ),
+    params,
+  )
+  return step, state, batch
+
+
+@pytest.mark.parametrize(
+  "workload, gemms, fp8_gemms",
+  [
+    # depth Dense layers: a forward and two gradient GEMMs each, but the first layer, whose
+    # input has no gradient; the recipe keeps the first and the last layer bf16.
+    ("mlp, 3 layers", 8, 3),
+    ("mlp, 5 layers", 14, 9),
+    # 17 Dense layers (4 a block and the head) and 24 attention GEMMs (2 forward, 4 backward
+    # a block), which multiply two computed operands and stay bf16.
+    ("lm, 4 layers", 75, 45),
+  ],
+)
+def test_the_fp8_share_of_a_mixed_fp8_step_compiled_for_h100_in_the_default_mode(
+  workload, gemms, fp8_gemms
+):
+  # mixed_fp8 with its default recipe, compiled for H100 in XLA's default mode (Triton GEMM
+  # fusions): every GEMM the recipe puts in FP8 multiplies f8 x f8, and the audit says the same.
+  if workload.startswith("mlp"):
+    step, state, batch = _mlp_step("mixed_fp8", depth=int(workload.split()[1]))
+  else:
+    step, state, batch = _lm_step("mixed_fp8", d=128, layers=4, seq=64)
+  state = mpjax.init_fp8_state(step, state, batch)
+  assert state.fp8.gemms == fp8_gemms // 3
+  report = mpjax.audit(step, state, batch, target="h100", gemm_backend="default")
+  assert len(report.rows) == gemms and not report.compiled_only  # each matched to its kernel
+  f8 = [r for r in report.rows if re.match(r"f8_e\w+ x f8_e", r.compiled_dtypes)]
+  assert len(f8) == fp8_gemms and {r.call_kind for r in f8} == {"triton_gemm"}
+  if workload != "mlp, 3 layers":  # the deeper MLP and the LM: 64% and 60%
+    assert len(f8) >= 0.6 * len(report.rows)
+  assert not report.flagged and report.fast_path_share == 1.0
+  assert "multiply FP8 x FP8" in str(report)
+
+
 # --------------------------------------------------------------------------- FP8, as compiled
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
