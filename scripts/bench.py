@@ -138,6 +138,7 @@ class Block(nn.Module):
   mlp: int
   dtype: Any = None
   attention: str = "materialized"  # or "fused": jax's Pallas flash attention (GPU targets)
+  interpret: bool = False  # the fused attention's kernel interpreted: to run it on a CPU
 
   @nn.compact
   def __call__(self, x):
@@ -147,7 +148,8 @@ class Block(nn.Module):
     q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
     if self.attention == "fused":  # in bf16 whatever the model's dtype, as flash kernels run
       half = [t.astype(jnp.bfloat16) for t in (q, k, v)]
-      attn = _fused_attention(*half, interpret=self.is_initializing()).astype(q.dtype)
+      interpret = self.interpret or self.is_initializing()
+      attn = _fused_attention(*half, interpret=interpret).astype(q.dtype)
     else:
       scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(q.shape[-1]).astype(q.dtype)
       mask = jnp.tril(jnp.ones((s, s), bool))
@@ -169,18 +171,24 @@ class TransformerLM(nn.Module):
   layers: int = 4
   dtype: Any = None
   attention: str = "materialized"
+  interpret: bool = False
 
   @nn.compact
   def __call__(self, tokens):
     x = nn.Embed(self.vocab, self.d_model, dtype=self.dtype)(tokens)
     x = x + self.param("pos", nn.initializers.normal(0.02), (tokens.shape[1], self.d_model))
     for _ in range(self.layers):
-      x = Block(self.d_model, self.heads, self.mlp, self.dtype, self.attention)(x)
+      x = Block(self.d_model, self.heads, self.mlp, self.dtype, self.attention, self.interpret)(x)
     return nn.Dense(self.vocab, dtype=self.dtype)(nn.LayerNorm(dtype=self.dtype)(x))
 
 
-def _workload(name: str, small: bool) -> tuple[Callable[[Any], nn.Module], Any, Callable, dict]:
-  """(model factory by dtype, batch, loss(logits, batch), model sizes) for one workload."""
+def _workload(
+  name: str, small: bool, interpret: bool = False
+) -> tuple[Callable[[Any], nn.Module], Any, Callable, dict]:
+  """(model factory by dtype, batch, loss(logits, batch), model sizes) for one workload.
+
+  ``interpret`` runs ``gpt2_fused``'s attention kernel interpreted, as a CPU can.
+  """
   key = jax.random.key(0)
   if name == "mlp":
     sizes = (16, 32, 32, 8) if small else (1024, 4096, 4096, 1024)
@@ -203,12 +211,12 @@ def _workload(name: str, small: bool) -> tuple[Callable[[Any], nn.Module], Any, 
   seq, batch_size = (16, 2) if small else (256, 4)
   if name in ("gpt2", "gpt2_fused") and not small:  # GPT-2 small; its vocabulary padded to 64
     dims, seq, batch_size = dict(vocab=50304, d_model=768, heads=12, mlp=3072, layers=12), 1024, 8
-  if name == "gpt2_fused":  # its attention fused (GPU targets only)
+  if name == "gpt2_fused":  # its attention fused (GPU targets, or interpreted)
     dims = dict(dims, attention="fused", heads=2 if small else 12)  # Triton: head_dim >= 16
   tokens = jax.random.randint(key, (batch_size, seq + 1), 0, dims["vocab"])
   batch = {"x": tokens[:, :-1], "y": tokens[:, 1:]}
   return (
-    lambda dtype: TransformerLM(**dims, dtype=dtype),
+    lambda dtype: TransformerLM(**dims, dtype=dtype, interpret=interpret),
     batch,
     lambda out, batch: optax.softmax_cross_entropy_with_integer_labels(
       out.astype(jnp.float32), batch["y"]
@@ -307,15 +315,16 @@ def _keras_variant(name: str, sizes: dict, batch: Any, loss: Callable) -> tuple 
 
 
 def _variants(
-  name: str, small: bool, keras: bool, fp8: bool = False
+  name: str, small: bool, keras: bool, fp8: bool = False, interpret: bool = False
 ) -> tuple[dict[str, tuple], Any]:
   """(label -> (step, init_state, loss_of_params for residuals, its params), batch).
 
   ``fp8`` adds ``mpjax mixed_fp8 autocast`` (for GPU targets: XLA:CPU emulates FP8),
   and the same with the last FP8-eligible GEMM (the output head) in FP8 too
-  (:data:`FP8_HEAD`), which the default recipe keeps in bf16.
+  (:data:`FP8_HEAD`), which the default recipe keeps in bf16. ``interpret``: see
+  :func:`_workload`.
   """
-  make_model, batch, loss, sizes = _workload(name, small)
+  make_model, batch, loss, sizes = _workload(name, small, interpret)
   # A fused attention is a Pallas kernel, which autocast runs as traced (in bf16, see Block).
   rules = {"pallas_call": "keep"} if sizes.get("attention") == "fused" else None
   tx = optax.adam(1e-4)

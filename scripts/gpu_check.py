@@ -9,25 +9,30 @@ in about four minutes there), run on that machine's own jax. In one process it:
    installed ``jax-cuda*`` / ``nvidia-*`` packages: what exists of these),
    ``XLA_FLAGS`` as found (the script sets no flag) and the default matmul
    precision;
-2. times one Adam train step of two models, built by ``scripts/bench.py``
-   (imported, not copied): ``lm``, a 4-layer causal transformer LM (d_model
-   512, 8 heads, MLP 2048, vocabulary 512, seq 256, batch 16) and ``gpt2``,
-   GPT-2 small's shape (12 layers, d_model 768, 12 heads, vocabulary 50304,
-   seq 1024, batch 8). Variants: fp32 at the default matmul precision (TF32 on
-   Ampere and later), ``mixed_bf16`` (mpjax autocast), ``mixed_fp8`` (delayed
-   scaling) compiled twice from one trace, in XLA's default mode and with the
-   compile option ``xla_gpu_enable_triton_gemm=False``, ``mixed_fp8`` with the
-   output head in FP8 too (``Fp8Recipe(keep_bf16=("first",))``, default mode),
-   the Flax ``dtype=bfloat16`` peer and jmp's bf16 compute. Each variant is compiled
+2. times one Adam train step of three models, built by ``scripts/bench.py``
+   (imported, not copied): ``lm``, a 4-layer causal transformer LM (d_model 512,
+   8 heads, MLP 2048, vocabulary 512, seq 256, batch 16), ``gpt2``, GPT-2
+   small's shape (12 layers, d_model 768, 12 heads, vocabulary 50304, seq 1024,
+   batch 8) with its attention scores in memory, and ``gpt2_fused``, the same
+   with jax's Pallas flash attention (causal, bf16 in every variant; interpreted
+   where the backend is not a GPU). Variants: fp32 at the default matmul
+   precision (TF32 on Ampere and later), ``mixed_bf16`` (mpjax autocast),
+   ``mixed_fp8`` (delayed scaling) compiled twice from one trace, in XLA's
+   default mode and with the compile option
+   ``xla_gpu_enable_triton_gemm=False``, ``mixed_fp8`` with the output head in
+   FP8 too (``Fp8Recipe(keep_bf16=("first",))``, default mode), the Flax
+   ``dtype=bfloat16`` peer and jmp's bf16 compute. Each variant is compiled
    once; steps run with the state donated, warmed up, then the median of
-   interleaved rounds. Per variant: step ms, ratio to fp32, MFU (the step's
-   GEMM FLOPs from :func:`mpjax.audit.audit_jaxpr` of the fp32 step, over the
-   step time, over the device's dense bf16 peak from :func:`mpjax.get_target`),
-   compile seconds and options, the audit's fast-path share and GEMM calls, and
-   the accumulation of every compiled GEMM as the program says it
-   (:func:`accumulation_check`: the cuBLAS(Lt) call's algorithm and result
-   type, the Triton fusion dot's; ``unknown`` where it does not say, e.g. a
-   cuDNN convolution or a ``dot`` XLA:CPU emits), never inferred from the
+   interleaved rounds. Per variant: step ms, ratio to fp32, MFU (the step's GEMM
+   FLOPs from :func:`mpjax.audit.audit_jaxpr` of the fp32 step, plus, for
+   ``gpt2_fused``, the fused attention's, which the audit does not read, from
+   its shapes (``bench.fused_attention_flops``: the half the causal kernels
+   compute), over the step time, over the device's dense bf16 peak from
+   :func:`mpjax.get_target`), compile seconds and options, the audit's fast-path
+   share and GEMM calls, and the accumulation of every compiled GEMM as the
+   program says it (:func:`accumulation_check`: the cuBLAS(Lt) call's algorithm
+   and result type, the Triton fusion dot's; ``unknown`` where it does not say,
+   e.g. a cuDNN convolution or a ``dot`` XLA:CPU emits), never inferred from the
    fast-path share; and the kernel report of the program this GPU's autotuner
    made (:func:`program_report`: kernels, GEMM calls, split-K GEMMs, bytes
    moved, the roofline estimate and its ratio to the measured step), to set
@@ -47,7 +52,9 @@ Prints one markdown table (and the training line); ``--json`` writes every
 figure, and is rewritten after each part, so a run cut short keeps what it had.
 
 What it does NOT check: numerics of the models it times (random tokens, one
-batch); step time of anything but these two models at these sizes; the
+batch); step time of anything but these three models at these sizes; the
+fused attention's FLOPs as its kernels ran them (counted from the shapes), or
+how jax's Pallas kernel compares with cuDNN's fused attention; the
 deviceless prediction itself (``python scripts/bench.py --target h200``, run
 apart: this script records the real program to compare it with); Triton-off
 for variants other than ``mixed_fp8``; which FP8 GEMM was lost when counts
@@ -59,7 +66,7 @@ the same). On a CPU the Triton option does not apply and is not passed, no FP8
 GEMM exists (XLA:CPU widens FP8 operands), MFU needs ``--peak-tflops``, and
 ``--small`` compiles without LLVM optimization (``SMALL_CPU_OPTIONS``).
 
-    python scripts/gpu_check.py [--rounds 20] [--models lm,gpt2] [--no-train] [--json out.json]
+    python scripts/gpu_check.py [--rounds 20] [--models lm,gpt2,gpt2_fused] [--no-train] [--json F]
     python scripts/gpu_check.py --small    # tiny sizes: a smoke test on a CPU
     python scripts/gpu_check.py --write-reference results/gpu/charlm_cpu_reference.json
 """
@@ -112,7 +119,7 @@ def _load_bench() -> Any:
 bench = _load_bench()
 
 # model: (bench workload, batch size; small batch size)
-MODELS = {"lm": ("transformer", 16, 4), "gpt2": ("gpt2", 8, 2)}
+MODELS = {"lm": ("transformer", 16, 4), "gpt2": ("gpt2", 8, 2), "gpt2_fused": ("gpt2_fused", 8, 2)}
 TRITON_OFF = {"xla_gpu_enable_triton_gemm": False}
 FP32 = "fp32 (default precision: TF32)"
 VARIANTS = {  # label: (bench variant, compile options)
@@ -365,6 +372,7 @@ def _compile_one(
     "gemm_flops": report.total_flops,
     "fast_path_share": report.fast_path_share,
     "calls": dict(Counter(r.call_kind or "unknown" for r in report.rows)),
+    "custom_kernels": len(report.custom_kernels),  # e.g. Pallas: their GEMMs not audited
     "accumulation": accumulation_check(hlo),
   }
   if on_gpu:
@@ -393,7 +401,8 @@ def _compile_variants(name: str, small: bool) -> tuple[dict[str, dict], dict[str
   another's trace (``trace_reused``), where it is compiling only. A variant that
   fails to compile is recorded with its error and left out of the timing.
   """
-  built, _ = bench._variants(MODELS[name][0], small, keras=False, fp8=True)
+  interpret = jax.default_backend() != "gpu"  # a Pallas GPU kernel runs interpreted elsewhere
+  built, _ = bench._variants(MODELS[name][0], small, keras=False, fp8=True, interpret=interpret)
   batch, sizes = _batch(name, small)
   base = SMALL_CPU_OPTIONS if small and jax.default_backend() == "cpu" else {}
   figures, runs, traces = {}, {}, {}
@@ -426,7 +435,11 @@ def measure_model(name: str, small: bool, rounds: int, peak_tflops: float | None
   figures, runs, sizes = _compile_variants(name, small)
   step_ms = _median_ms(runs, rounds)
   del runs  # the states: free the device memory before the next model
-  model_flops = figures[FP32]["gemm_flops"]
+  # The audit reads no GEMM inside a custom kernel: the fused attention's are counted from
+  # its shapes (bench.fused_attention_flops), in every variant alike.
+  fused = sizes.get("attention") == "fused"
+  attention_flops = bench.fused_attention_flops(sizes, sizes["batch"]) if fused else 0.0
+  model_flops = figures[FP32]["gemm_flops"] + attention_flops
   for label, f in figures.items():
     if label not in step_ms:  # did not compile
       continue
@@ -440,6 +453,8 @@ def measure_model(name: str, small: bool, rounds: int, peak_tflops: float | None
   return {
     "sizes": sizes,
     "model_flops": model_flops,
+    "fused_attention_flops": attention_flops,
+    "fused_attention_interpreted": fused and jax.default_backend() != "gpu",
     "seconds": time.perf_counter() - start,
     "variants": figures,
   }
@@ -610,7 +625,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--rounds", type=int, default=20, help="timed interleaved rounds")
   parser.add_argument("--small", action="store_true", help="tiny sizes (a CPU smoke test)")
-  parser.add_argument("--models", default="lm,gpt2", help="comma-separated: lm, gpt2")
+  parser.add_argument(
+    "--models", default="lm,gpt2,gpt2_fused", help="comma-separated: lm, gpt2, gpt2_fused"
+  )
   parser.add_argument("--no-train", action="store_true", help="skip the char LM training")
   parser.add_argument("--reference", default=str(REFERENCE), help="the CPU reference JSON")
   parser.add_argument("--peak-tflops", type=float, help="bf16 peak for MFU (default: the GPU's)")
@@ -630,7 +647,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   parts = [
     (name, lambda name=name: _measure(args, name, figures)) for name in args.models.split(",")
   ]
-  if not args.no_train:  # after the first model: GPT-2, the slowest part, comes last
+  if not args.no_train:  # after the first model: the GPT-2s, the slowest parts, come last
     parts.insert(1, ("training", lambda: _train(args, figures)))
   for part, run in parts:
     start = time.perf_counter()

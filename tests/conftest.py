@@ -36,6 +36,7 @@ SLOW = {
   "tests/test_experiment.py::test_gradient_health_shows_the_underflow": "trains one run per policy",
   "tests/test_examples.py::test_bench_script": "a whole benchmark run",
   "tests/test_examples.py::test_gpu_check_script_runs_small": "compiles and times every variant",
+  "tests/test_examples.py::test_gpu_check_times_gpt2_with_fused_attention": "every variant",
   "tests/test_diagnose.py::test_forward_overflow_is_found_and_its_rule_fixes_training": "trains",
   "tests/test_diagnose.py::test_attention_scores_beyond_fp16": "replays a transformer",
   "tests/test_diagnose.py::test_every_fault_of_a_model_gets_a_rule": "replays many faults",

@@ -231,3 +231,28 @@ def test_gpu_check_script_runs_small(tmp_path, capsys):
   assert sorted(map(int, reference["losses"])) == list(range(20, 201, 20))
   assert reference["jax"] and reference["date"] and "--write-reference" in reference["command"]
   assert gpu_check.compare_losses(reference, reference)["max_rel_diff"] == 0.0
+
+
+def test_gpu_check_times_gpt2_with_fused_attention_interpreted_on_a_cpu(capsys):
+  # gpt2_fused's Pallas kernel is a GPU kernel; on a CPU the script runs it interpreted.
+  gpu_check = _script("gpu_check")
+  argv = ["--small", "--models", "gpt2_fused", "--rounds", "2", "--peak-tflops", "1", "--no-train"]
+  figures = gpu_check.main(argv)
+  assert "errors" not in figures
+  model = figures["models"]["gpt2_fused"]
+  assert model["fused_attention_interpreted"] is True
+  variants = model["variants"]
+  assert set(variants) == set(gpu_check.VARIANTS)
+  layers = model["sizes"]["layers"]
+  for v in variants.values():
+    assert v["step_ms"] > 0 and v["custom_kernels"] >= 2 * layers  # a forward and a backward
+  # The audit reads no GEMM inside the kernels: their FLOPs (per layer 9 GEMMs of 2 * batch *
+  # heads * seq^2 * head_dim, half computed: causal; batch 2, 2 heads, seq 16, head_dim 16) are
+  # added from the shapes, so MFU counts the attention too.
+  attention = layers * 9 * (2 * 2 * 2 * 16 * 16 * 16) / 2
+  fp32 = variants["fp32 (default precision: TF32)"]
+  assert model["fused_attention_flops"] == attention
+  assert model["model_flops"] == fp32["gemm_flops"] + attention
+  assert fp32["mfu"] == pytest.approx(model["model_flops"] / (fp32["step_ms"] * 1e-3) / 1e12)
+  assert variants["mixed_fp8 (XLA default)"]["fp8"]["planned"] > 0
+  assert "| gpt2_fused | mixed_fp8 (XLA default) |" in capsys.readouterr().out
