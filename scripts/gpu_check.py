@@ -1,7 +1,7 @@
 """GPU check: mixed precision timed, FP8 GEMMs counted and a short training run, on one GPU.
 
-The one prepared script for a lent NVIDIA GPU (an H100 or H200; made to finish
-in about four minutes there), run on that machine's own jax. In one process it:
+The one prepared script for a lent NVIDIA GPU (an H100 or H200; sized to
+finish in a few minutes there), run on that machine's own jax. In one process it:
 
 1. records the environment: jax and jaxlib versions, Python, the device kind,
    the CUDA versions (the CUDA plugin's version queries, the backend's platform
@@ -394,6 +394,11 @@ def _compile_one(
   return figures, compiled
 
 
+def _kernels_interpreted() -> bool:
+  """Whether a Pallas GPU kernel (gpt2_fused's attention) runs interpreted: off a GPU."""
+  return jax.default_backend() != "gpu"
+
+
 def _compile_variants(name: str, small: bool) -> tuple[dict[str, dict], dict[str, tuple], dict]:
   """Each variant traced once (the FP8 pair shares one trace) and compiled once; audited.
 
@@ -401,8 +406,9 @@ def _compile_variants(name: str, small: bool) -> tuple[dict[str, dict], dict[str
   another's trace (``trace_reused``), where it is compiling only. A variant that
   fails to compile is recorded with its error and left out of the timing.
   """
-  interpret = jax.default_backend() != "gpu"  # a Pallas GPU kernel runs interpreted elsewhere
-  built, _ = bench._variants(MODELS[name][0], small, keras=False, fp8=True, interpret=interpret)
+  built, _ = bench._variants(
+    MODELS[name][0], small, keras=False, fp8=True, interpret=_kernels_interpreted()
+  )
   batch, sizes = _batch(name, small)
   base = SMALL_CPU_OPTIONS if small and jax.default_backend() == "cpu" else {}
   figures, runs, traces = {}, {}, {}
@@ -454,7 +460,7 @@ def measure_model(name: str, small: bool, rounds: int, peak_tflops: float | None
     "sizes": sizes,
     "model_flops": model_flops,
     "fused_attention_flops": attention_flops,
-    "fused_attention_interpreted": fused and jax.default_backend() != "gpu",
+    "fused_attention_interpreted": fused and _kernels_interpreted(),
     "seconds": time.perf_counter() - start,
     "variants": figures,
   }
