@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import gzip
 import hashlib
 import json
 import os
@@ -39,6 +40,7 @@ __all__ = [
   "load_digits",
   "load_char_corpus",
   "load_underflow_task",
+  "stdlib_text",
   "DATASETS",
   "CACHE_ENV_VAR",
 ]
@@ -327,7 +329,29 @@ def _encode(text: str) -> np.ndarray:
   return np.where(codes < 128, table[np.minimum(codes, 127)], _UNKNOWN).astype(np.int32)
 
 
-def _build_corpus(max_chars: int) -> tuple[np.ndarray, list[str]]:
+def stdlib_text(max_chars: int) -> tuple[str, list[str]]:
+  """The text :func:`load_char_corpus` uses by default, and the files it came from.
+
+  The top-level ``.py`` files of this Python's standard library, in sorted
+  order, joined and cut at ``max_chars`` characters. It differs between Python
+  versions: written to a file (its ``text_file``), it gives the same token
+  stream under any of them.
+
+  Args:
+    max_chars: how many characters to take.
+
+  Returns:
+    (the text, the names of the files it came from).
+
+  Raises:
+    FileNotFoundError: if this Python ships without its standard-library sources.
+
+  Example:
+    >>> from mpjax.data import stdlib_text
+    >>> text, files = stdlib_text(1000)
+    >>> len(text), files[0] == "__future__.py"
+    (1000, True)
+  """
   parts, total, names = [], 0, []
   for path in _stdlib_files():
     text = path.read_text(encoding="utf-8", errors="replace")
@@ -336,7 +360,19 @@ def _build_corpus(max_chars: int) -> tuple[np.ndarray, list[str]]:
     total += len(parts[-1])
     if total >= max_chars:
       break
-  return _encode("".join(parts)), names
+  return "".join(parts), names
+
+
+def _read_text_file(path: str | os.PathLike, max_chars: int) -> str:
+  path = pathlib.Path(path)
+  if not path.is_file():
+    raise ValueError(f"load_char_corpus: text_file={str(path)!r} is not a file; give a text file.")
+  opener = gzip.open if path.suffix == ".gz" else open
+  with opener(path, "rt", encoding="utf-8", errors="replace") as f:
+    text = f.read(max_chars)
+  if not text:
+    raise ValueError(f"load_char_corpus: text_file={str(path)!r} is empty.")
+  return text
 
 
 def _write_atomically(path: pathlib.Path, write: Callable[[Any], None], mode: str) -> None:
@@ -368,31 +404,36 @@ def load_char_corpus(
   max_chars: int = 2_000_000,
   test_fraction: float = 0.1,
   cache_dir: str | os.PathLike | None = None,
+  text_file: str | os.PathLike | None = None,
 ) -> Dataset:
   """A character-level corpus: the Python standard library's own source, no download.
 
   The text is the top-level ``.py`` files of ``sysconfig.get_paths()["stdlib"]``
   in sorted order, cut at ``max_chars`` characters: the same on every machine
-  with the same Python version. Characters map to 98 ids: tab, newline and
-  printable ASCII, and id 0 for anything else. The last ``test_fraction`` of
-  the stream is the test split.
+  with the same Python version (:func:`stdlib_text`), or ``text_file``'s.
+  Characters map to 98 ids: tab, newline and printable ASCII, and id 0 for
+  anything else. The last ``test_fraction`` of the stream is the test split.
 
-  The encoded stream is cached as ``.npy`` (with a ``.json`` of the parameters,
-  Python version, vocabulary and files it came from) under ``cache_dir``; a
-  missing, corrupt or mismatched cache is rebuilt, and writes are atomic, so
-  concurrent runs are safe.
+  The standard library's encoded stream is cached as ``.npy`` (with a ``.json``
+  of the parameters, Python version, vocabulary and files it came from) under
+  ``cache_dir``; a missing, corrupt or mismatched cache is rebuilt, and writes
+  are atomic, so concurrent runs are safe. A ``text_file`` is read each time.
 
   Args:
     seq_len: the length of each training sequence.
     max_chars: how many characters of the source to use.
     test_fraction: the share of the stream held out for test, in (0, 1).
     cache_dir: where to cache; ``None`` uses ``$MPJAX_CACHE``, else ``~/.cache/mpjax``.
+    text_file: a UTF-8 text file (gzip-compressed if its name ends in ``.gz``)
+      to use instead of the standard library's source, e.g. to train on the
+      same stream under another Python version.
 
   Returns:
     A language-model :class:`Dataset` named ``"char_corpus"``.
 
   Raises:
-    ValueError: if an argument is out of range or a split holds less than one sequence.
+    ValueError: if an argument is out of range, a split holds less than one sequence, or
+      ``text_file`` is missing or empty.
     FileNotFoundError: if this Python ships without its standard-library sources.
 
   Example:
@@ -408,24 +449,10 @@ def load_char_corpus(
     raise ValueError(
       f"load_char_corpus: test_fraction={test_fraction!r} must be in (0, 1), e.g. 0.1."
     )
-  version = f"{sys.implementation.name}-{'.'.join(map(str, sys.version_info[:3]))}"
-  meta = {
-    "format": _CORPUS_FORMAT,
-    "python": version,
-    "max_chars": int(max_chars),
-    "vocab": _VOCAB,
-  }
-  digest = hashlib.sha256(json.dumps(meta, sort_keys=True).encode()).hexdigest()[:12]
-  directory = _cache_dir(cache_dir)
-  stem = f"char_corpus-{version}-{max_chars}-{digest}"  # the version has dots: no with_suffix
-  npy, info_path = directory / f"{stem}.npy", directory / f"{stem}.json"
-  tokens = _load_cached(npy, info_path, meta)
-  if tokens is None:
-    tokens, files = _build_corpus(int(max_chars))
-    directory.mkdir(parents=True, exist_ok=True)
-    info = {"key": meta, "num_tokens": len(tokens), "files": files}
-    _write_atomically(npy, lambda f: np.save(f, tokens), "wb")
-    _write_atomically(info_path, lambda f: json.dump(info, f, indent=1), "w")
+  if text_file is not None:
+    tokens = _encode(_read_text_file(text_file, int(max_chars)))
+  else:
+    tokens = _stdlib_tokens(int(max_chars), _cache_dir(cache_dir))
   n_test = int(round(len(tokens) * test_fraction))
   return Dataset(
     name="char_corpus",
@@ -436,6 +463,29 @@ def load_char_corpus(
     seq_len=seq_len,
     vocab=_VOCAB,
   )
+
+
+def _stdlib_tokens(max_chars: int, directory: pathlib.Path) -> np.ndarray:
+  """:func:`stdlib_text` encoded, from the cache under ``directory`` or built and cached."""
+  version = f"{sys.implementation.name}-{'.'.join(map(str, sys.version_info[:3]))}"
+  meta = {
+    "format": _CORPUS_FORMAT,
+    "python": version,
+    "max_chars": int(max_chars),
+    "vocab": _VOCAB,
+  }
+  digest = hashlib.sha256(json.dumps(meta, sort_keys=True).encode()).hexdigest()[:12]
+  stem = f"char_corpus-{version}-{max_chars}-{digest}"  # the version has dots: no with_suffix
+  npy, info_path = directory / f"{stem}.npy", directory / f"{stem}.json"
+  tokens = _load_cached(npy, info_path, meta)
+  if tokens is None:
+    text, files = stdlib_text(max_chars)
+    tokens = _encode(text)
+    directory.mkdir(parents=True, exist_ok=True)
+    info = {"key": meta, "num_tokens": len(tokens), "files": files}
+    _write_atomically(npy, lambda f: np.save(f, tokens), "wb")
+    _write_atomically(info_path, lambda f: json.dump(info, f, indent=1), "w")
+  return tokens
 
 
 UNDERFLOW_LOSS_MULTIPLIER = 2.0**-21

@@ -46,35 +46,43 @@ finish in a few minutes there), run on that machine's own jax. In one process it
    Python's own source, ``mixed_bf16``) for 200 steps and compares its loss,
    logged every 20 steps, with a CPU run of the same config and seed
    (``results/gpu/charlm_cpu_reference.json``): max |loss - loss_cpu| / loss_cpu
-   over the logged steps, and the final and test losses.
+   over the logged steps, and the final and test losses. The corpus is this
+   Python's standard library, which differs between Python versions, so
+   ``--corpus FILE`` trains on a text file instead (written from this Python's
+   standard library where it is missing): make the reference with it here,
+   carry the file to the GPU machine, and both runs train on one token stream.
 
 Prints one markdown table (and the training line); ``--json`` writes every
 figure, and is rewritten after each part, so a run cut short keeps what it had.
 
 What it does NOT check: numerics of the models it times (random tokens, one
-batch); step time of anything but these three models at these sizes; the
-fused attention's FLOPs as its kernels ran them (counted from the shapes), or
-how jax's Pallas kernel compares with cuDNN's fused attention; the
-deviceless prediction itself (``python scripts/bench.py --target h200``, run
-apart: this script records the real program to compare it with); Triton-off
-for variants other than ``mixed_fp8``; which FP8 GEMM was lost when counts
-differ (it compares counts: planned against compiled); fp16, fp32 at
-``highest`` precision, Keras; multi-GPU. The char LM's corpus is the Python
-standard library's source, so with another Python version the two loss curves
-need not agree closely (``corpus_match`` says whether the token streams were
-the same). On a CPU the Triton option does not apply and is not passed, no FP8
-GEMM exists (XLA:CPU widens FP8 operands), MFU needs ``--peak-tflops``, and
-``--small`` compiles without LLVM optimization (``SMALL_CPU_OPTIONS``).
+batch); step time of anything but these three models at these sizes; the fused
+attention's FLOPs as its kernels ran them (counted from the shapes), or how
+jax's Pallas kernel compares with cuDNN's fused attention; the deviceless
+prediction itself (``python scripts/bench.py --target h200``, run apart: this
+script records the real program to compare it with); Triton-off for variants
+other than ``mixed_fp8``; which FP8 GEMM was lost when counts differ (it
+compares counts: planned against compiled); fp16, fp32 at ``highest``
+precision, Keras; multi-GPU. Without ``--corpus`` the char LM trains on this
+Python's standard library, so under another Python version than the
+reference's the two loss curves need not agree closely (``corpus_match`` says
+whether the token streams were the same). On a CPU the Triton option does not
+apply and is not passed, no FP8 GEMM exists (XLA:CPU widens FP8 operands), MFU
+needs ``--peak-tflops``, and ``--small`` compiles without LLVM optimization
+(``SMALL_CPU_OPTIONS``).
 
     python scripts/gpu_check.py [--rounds 20] [--models lm,gpt2_fused,gpt2] [--no-train] [--json F]
     python scripts/gpu_check.py --small    # tiny sizes: a smoke test on a CPU
-    python scripts/gpu_check.py --write-reference results/gpu/charlm_cpu_reference.json
+    python scripts/gpu_check.py --write-reference results/gpu/charlm_cpu_reference.json \
+      --corpus .gpu/charlm_corpus.txt.gz   # here; then on the GPU, with .gpu carried:
+    python scripts/gpu_check.py --corpus .gpu/charlm_corpus.txt.gz --json "$OUT/gpu_check.json"
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import gzip
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -100,6 +108,7 @@ import numpy as np
 
 import mpjax
 import mpjax.experiment as experiment
+from mpjax import data
 from mpjax.audit import AuditReport, audit_jaxpr, parse_compiled_gemms
 from mpjax.kernels import report_from_hlo
 
@@ -469,10 +478,28 @@ def measure_model(name: str, small: bool, rounds: int, peak_tflops: float | None
 # --------------------------------------------------------------------------- training
 
 
-def train_charlm(small: bool) -> dict[str, Any]:
-  """The default experiment (mixed_bf16) for 200 steps (``--small``: a tiny one): its losses."""
+def corpus_file(path: str, max_chars: int) -> pathlib.Path:
+  """The char LM's text file; where it is missing, written from this Python's standard library."""
+  file = pathlib.Path(path)
+  if not file.exists():
+    text, _ = data.stdlib_text(max_chars)
+    file.parent.mkdir(parents=True, exist_ok=True)
+    with (gzip.open if file.suffix == ".gz" else open)(file, "wt", encoding="utf-8") as f:
+      f.write(text)
+    print(f"wrote {file}: {len(text)} characters of Python {sys.version.split()[0]}'s library")
+  return file
+
+
+def train_charlm(small: bool, corpus: str | None = None) -> dict[str, Any]:
+  """The default experiment (mixed_bf16) for 200 steps (``--small``: a tiny one): its losses.
+
+  ``corpus``: a text file to train on (:func:`corpus_file`) instead of this
+  Python's standard library.
+  """
   overrides = SMALL_TRAIN if small else TRAIN
   config = experiment.load_config(None, overrides)
+  if corpus is not None:  # not a key of the shipped config: set here, not as an override
+    config.data.text_file = str(corpus_file(corpus, config.data.max_chars))
   tokens = np.asarray(experiment.Experiment(config).dataset.train["tokens"])
   run_dir = pathlib.Path(tempfile.mkdtemp(prefix="gpu_check_train_"))
   start = time.perf_counter()
@@ -495,6 +522,7 @@ def train_charlm(small: bool) -> dict[str, Any]:
     "seconds": time.perf_counter() - start,
     "corpus": {
       "python": sys.version.split()[0],
+      "text_file": pathlib.Path(corpus).name if corpus else None,
       "sha256": hashlib.sha256(tokens.tobytes()).hexdigest()[:16],
     },
   }
@@ -521,7 +549,7 @@ def compare_losses(run: dict[str, Any], reference: dict[str, Any] | None) -> dic
     "final_loss_cpu": reference["final_loss"],
     "test_loss": run["test_loss"],
     "test_loss_cpu": reference["test_loss"],
-    "corpus_match": run["corpus"] == reference["corpus"],
+    "corpus_match": run["corpus"]["sha256"] == reference["corpus"]["sha256"],
     "reference_jax": reference["jax"],
     "reference_date": reference["date"],
   }
@@ -619,7 +647,7 @@ def _guarded(part: str, figures: dict, fn: Callable[[], Any]) -> Any:
 
 
 def _train(args: argparse.Namespace, figures: dict[str, Any]) -> None:
-  run = train_charlm(args.small)
+  run = train_charlm(args.small, args.corpus)
   path = pathlib.Path(args.reference)
   reference = json.loads(path.read_text()) if path.is_file() else None
   comparison = compare_losses(run, reference)
@@ -638,10 +666,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   parser.add_argument("--reference", default=str(REFERENCE), help="the CPU reference JSON")
   parser.add_argument("--peak-tflops", type=float, help="bf16 peak for MFU (default: the GPU's)")
   parser.add_argument("--write-reference", metavar="PATH", help="only train here and save")
+  parser.add_argument(
+    "--corpus", metavar="FILE", help="train the char LM on this text file (written if missing)"
+  )
   parser.add_argument("--json", help="write the figures to this JSON file (after each part)")
   args = parser.parse_args(argv)
   if args.write_reference:  # only the training, here (a CPU), saved as the reference
-    record = reference_record(train_charlm(args.small), argv)
+    record = reference_record(train_charlm(args.small, args.corpus), argv)
     pathlib.Path(args.write_reference).write_text(json.dumps(record, indent=2) + "\n")
     print(f"wrote {args.write_reference}: final loss {record['final_loss']:.4f}")
     return record

@@ -1,3 +1,4 @@
+import gzip
 import platform
 import random
 
@@ -9,6 +10,7 @@ import optax
 import pytest
 
 import mpjax.data as data
+import mpjax.experiment
 from mpjax.data import Dataset, load_char_corpus, load_dataset, load_digits, load_underflow_task
 from mpjax.loss_scale import DynamicLossScale, NoOpLossScale
 from mpjax.models import MLP
@@ -140,7 +142,7 @@ def test_char_corpus_cache_round_trip(corpus_dir, monkeypatch):
   def no_build(max_chars):
     raise AssertionError("the cache should have been used")
 
-  monkeypatch.setattr(data, "_build_corpus", no_build)
+  monkeypatch.setattr(data, "stdlib_text", no_build)
   cached = load_char_corpus(seq_len=32, max_chars=50_000, cache_dir=corpus_dir)
   chex.assert_trees_all_equal(cached.train, ds.train)
   chex.assert_trees_all_equal(cached.test, ds.test)
@@ -156,6 +158,43 @@ def test_char_corpus_cache_round_trip(corpus_dir, monkeypatch):
   # Other parameters, another cache file.
   load_char_corpus(seq_len=32, max_chars=40_000, cache_dir=corpus_dir)
   assert len(list(corpus_dir.glob("*.npy"))) == 2
+
+
+def test_char_corpus_from_a_text_file_is_the_same_stream_under_any_python(tmp_path):
+  # The standard library's text, written to a file (plain or gzip), gives the stream the
+  # standard library gives; its cache directory stays empty (a file is read each time).
+  text, files = data.stdlib_text(30_000)
+  assert len(text) == 30_000 and files == sorted(files)
+  plain, packed = tmp_path / "corpus.txt", tmp_path / "corpus.txt.gz"
+  plain.write_text(text, encoding="utf-8")
+  with gzip.open(packed, "wt", encoding="utf-8") as f:
+    f.write(text)
+  cache = tmp_path / "cache"
+  stdlib = load_char_corpus(seq_len=32, max_chars=30_000, cache_dir=tmp_path / "stdlib")
+  for file in (plain, packed):
+    ds = load_char_corpus(seq_len=32, max_chars=30_000, cache_dir=cache, text_file=file)
+    chex.assert_trees_all_equal((ds.train, ds.test), (stdlib.train, stdlib.test))
+  assert not cache.exists()
+  # A user's own text, cut at max_chars; characters outside the vocabulary are id 0.
+  own = tmp_path / "own.txt"
+  own.write_text("def f(x):\n\treturn x  # \u00e9\n" * 100, encoding="utf-8")
+  ds = load_char_corpus(seq_len=8, max_chars=300, test_fraction=0.5, text_file=own)
+  decoded = "".join(ds.vocab[i] for i in ds.train["tokens"])
+  assert len(decoded) == 150 and decoded.startswith("def f(x):\n\treturn x  # \ufffd\n")
+
+
+@pytest.mark.parametrize("content", [None, ""])
+def test_a_missing_or_empty_text_file_is_refused_at_config_load(tmp_path, content):
+  file = tmp_path / "corpus.txt"
+  if content is not None:
+    file.write_text(content)
+  with pytest.raises(ValueError, match="text_file=.*corpus.txt.* (is not a file|is empty)"):
+    load_char_corpus(text_file=file)
+  # Through an experiment's config, as gpu_check.py sets it: a ConfigError naming config.data.
+  config = mpjax.experiment.load_config(None, ["steps=1"])
+  config.data.text_file = str(file)
+  with pytest.raises(mpjax.experiment.ConfigError, match="config.data: load_char_corpus: text"):
+    mpjax.experiment.Experiment(config)
 
 
 def test_char_corpus_cache_dir_from_the_environment(tmp_path, monkeypatch):

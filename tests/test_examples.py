@@ -185,7 +185,9 @@ def test_gpu_check_script_runs_small(tmp_path, capsys):
 
   gpu_check = _script("gpu_check")
   out = tmp_path / "gpu_check.json"
+  corpus = tmp_path / "corpus.txt.gz"  # written from this Python's standard library
   argv = ["--small", "--models", "gpt2", "--rounds", "2", "--peak-tflops", "1", "--json", str(out)]
+  argv += ["--corpus", str(corpus)]
   figures = gpu_check.main([*argv, "--reference", str(tmp_path / "none.json")])
   assert json.loads(out.read_text())["markdown"] == figures["markdown"]
   assert "errors" not in figures
@@ -221,6 +223,11 @@ def test_gpu_check_script_runs_small(tmp_path, capsys):
   assert training["policy"] == "mixed_bf16" and training["steps"] == 20
   assert len(training["losses"]) == 4 and training["final_loss"] < training["losses"]["5"]
   assert training["comparison"] == {"compared": False, "note": "no CPU reference found"}
+  # Trained on the corpus file, which holds the standard library's stream: the same tokens.
+  assert corpus.is_file() and training["corpus"]["text_file"] == "corpus.txt.gz"
+  without = gpu_check.train_charlm(small=True)
+  assert without["corpus"]["sha256"] == training["corpus"]["sha256"]
+  assert without["losses"] == training["losses"]
   # Against itself, saved as a reference: compared, no difference.
   same = gpu_check.compare_losses(training, gpu_check.reference_record(training, argv))
   assert same["compared"] and same["max_rel_diff"] == 0.0 and same["corpus_match"]
