@@ -142,6 +142,16 @@ class Policy:
       np.dtype(jnp.float16),
     )
 
+  @property
+  def computes_in_half(self) -> bool:
+    """bf16 or f16 compute, whatever the params' dtype: the policies the train step autocasts.
+
+    Under these, :func:`mpjax.make_train_step` runs the loss under :func:`mpjax.autocast`, so
+    a model that declares ``dtype=jnp.float32`` still runs its GEMMs in the compute dtype:
+    ``mixed_bf16`` (f32 masters) as much as ``pure_bf16`` and ``bf16_sr`` (bf16 storage).
+    """
+    return self.compute_dtype in (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
+
   def cast_to_param(self, tree: T) -> T:
     """Casts the f16/bf16/f32 leaves of ``tree`` to ``param_dtype``."""
     return cast_floating(tree, self.param_dtype)

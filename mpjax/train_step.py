@@ -132,11 +132,13 @@ def make_train_step(
 ) -> StepFn:
   """Builds a pure mixed-precision training step ``step(state, batch) -> (state, metrics)``.
 
-  For a mixed policy (f32 params, half-precision compute) the step runs
-  ``loss_fn`` under :func:`mpjax.autocast`: it gets the fp32 master params and
-  the batch as they are, and each operation runs in its class's precision
-  (GEMMs bf16/fp16 x bf16/fp16 -> f32, forward and backward; softmax, norms and
-  reductions in f32). Otherwise, or with ``autocast=False``, the step casts the
+  For a policy that computes in bf16 or f16 (the mixed ones, and the bf16
+  storage of ``pure_bf16`` and ``bf16_sr``) the step runs ``loss_fn`` under
+  :func:`mpjax.autocast`: it gets the stored params and the batch as they are,
+  and each operation runs in its class's precision (GEMMs bf16/fp16 x bf16/fp16
+  -> f32, forward and backward; softmax, norms, reductions and the loss in
+  f32), whatever dtype the model declares for its layers (``float32`` too).
+  Otherwise (fp32), or with ``autocast=False``, the step casts the
   params (and the batch's floating leaves) to the policy's compute dtype before
   ``loss_fn``; with ``cast_params=False`` a model that takes the policy itself
   (:func:`mpjax.linen_kwargs`, :func:`mpjax.nnx_apply_policy`) gets the f32
@@ -154,10 +156,9 @@ def make_train_step(
 
   Args:
     loss_fn: ``loss_fn(params, batch)`` returning a scalar loss or ``(loss, aux)``.
-      Under autocast it gets the f32 master params and the batch as they are;
-      otherwise params (unless ``cast_params=False``) and, with ``cast_batch``,
-      the batch in the compute dtype. Integer leaves such as labels are
-      untouched. Compute the loss itself from f32 logits
+      Under autocast it gets the stored params and the batch as they are; else
+      params (unless ``cast_params=False``) and, with ``cast_batch``, the batch
+      in the compute dtype. Integer leaves such as labels are untouched. Compute the loss itself from f32 logits
       (``logits.astype(jnp.float32)``) for fp16 safety.
     axis_name: under ``shard_map`` or ``pmap``, the data-parallel axis name(s):
       gradients and the loss are averaged over it and the finite decision is
@@ -174,9 +175,8 @@ def make_train_step(
       and the step does not autocast it (``autocast=True`` with
       ``cast_params=False`` is refused).
     autocast: run ``loss_fn`` under :func:`mpjax.autocast` with the state's
-      policy. ``None`` (default) means yes for mixed policies (param dtype f32,
-      compute dtype f16 or bf16), where it is the faster path, unless
-      ``cast_params=False``; no otherwise.
+      policy. ``None`` (default): yes for f16 or bf16 compute (the faster path,
+      :attr:`mpjax.Policy.computes_in_half`) unless ``cast_params=False``.
     autocast_rules: ``rules`` for :func:`mpjax.autocast`, e.g.
       ``{"*head*": "fp32"}``.
     with_model_state: for models with non-trained state such as BatchNorm
@@ -300,7 +300,7 @@ def _train_step(
     )
   policy, loss_scale, axis_name = state.policy, state.loss_scale, options.axis_name
   model_fn = loss_fn if options.with_model_state else _with_model_state(loss_fn)
-  use_autocast = options.autocast if options.autocast is not None else policy.is_mixed
+  use_autocast = options.autocast if options.autocast is not None else policy.computes_in_half
   fp8_state, fp8_scales = _fp8_this_step(
     model_fn, state, batch, use_autocast, options.autocast_rules
   )
@@ -398,7 +398,10 @@ def _forward(
 ) -> Callable[..., Any]:
   """``run(fp8_scales, params, model_state, batch)``: ``model_fn`` in the policy's precision."""
   if use_autocast:  # autocast casts params and batch where each operation uses them
-    return autocast_with_fp8_scales(model_fn, policy, rules=options.autocast_rules)
+    # The loss and the model state come back as computed (in f32), whatever the policy's
+    # output dtype (pure_bf16's is bf16): the step takes the loss in f32.
+    full = policy.with_output_dtype(jnp.float32)
+    return autocast_with_fp8_scales(model_fn, full, rules=options.autocast_rules)
   compute_batch = policy.cast_to_compute(batch) if options.cast_batch else batch
 
   def run(_, params, model_state, __):

@@ -99,22 +99,44 @@ class MLP(nn.Module):
     return x
 
 
+def fused_attention_kernel() -> str:
+  """Which fused attention ``gpt2_fused`` runs on this jax: its name in records.
+
+  ``"pallas_triton_mha"``: jax's Pallas flash attention (Triton), in jax up to
+  0.12.0.1. jax 0.12.1 removed it, leaving only Mosaic GPU kernels, which do
+  not compile without a GPU; there ``"xla_dot_product_attention"``:
+  ``jax.nn.dot_product_attention(implementation="xla")``, whose GEMMs are XLA's
+  own (audited and counted like any), with the scores in memory as XLA writes
+  them: a stand-in with the model's shapes, not a flash kernel.
+  """
+  try:
+    with warnings.catch_warnings():
+      warnings.filterwarnings("ignore", "jax.experimental.pallas.ops.gpu.attention is deprecated")
+      from jax.experimental.pallas.ops.gpu import attention  # noqa: F401
+  except ImportError:
+    return "xla_dot_product_attention"
+  return "pallas_triton_mha"
+
+
 def _fused_attention(q: jax.Array, k: jax.Array, v: jax.Array, interpret: bool) -> jax.Array:
-  """Causal attention in one kernel forward and one backward: jax's Pallas flash attention.
+  """Causal attention in one kernel forward and one backward where jax has one (see
+  :func:`fused_attention_kernel`).
 
   The scores never reach memory, as with cuDNN's fused attention (which jax
   traces only with a GPU). A Triton kernel: it compiles for NVIDIA GPU
   targets only (``interpret`` runs it on the CPU, for ``init``). jax 0.12
   deprecates Pallas's Triton backend in favour of Mosaic GPU kernels and
   tokamax (hence the warnings silenced); Mosaic GPU kernels do not compile
-  without a GPU on jax 0.10.2, and this kernel compiles on both versions.
+  without a GPU, and this kernel compiles on jax 0.10.2 to 0.12.0.1.
   """
+  scale = 1 / np.sqrt(q.shape[-1])
+  if fused_attention_kernel() == "xla_dot_product_attention":
+    return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True, implementation="xla")
   with warnings.catch_warnings():
     warnings.filterwarnings("ignore", "The Pallas Triton backend is deprecated")
     warnings.filterwarnings("ignore", "jax.experimental.pallas.ops.gpu.attention is deprecated")
     from jax.experimental.pallas.ops.gpu.attention import mha
 
-    scale = 1 / np.sqrt(q.shape[-1])
     return mha(q, k, v, segment_ids=None, sm_scale=scale, causal=True, interpret=interpret)
 
 
@@ -127,6 +149,8 @@ def fused_attention_flops(sizes: dict[str, int], batch_size: int) -> float:
   recomputes those two again, then dQ), each half computed (causal: the
   kernels skip the blocks above the diagonal).
   """
+  if fused_attention_kernel() != "pallas_triton_mha":  # XLA's GEMMs: the report reads them
+    return 0.0
   seq, heads, d_model = sizes["seq"], sizes["heads"], sizes["d_model"]
   per_gemm = 2.0 * batch_size * heads * seq * seq * (d_model // heads) / 2
   return sizes["layers"] * (2 + 7) * per_gemm
@@ -523,6 +547,12 @@ def fp8_bound(fp8: Any, bf16: Any) -> str:
 
 def fused_attention_line(reports: dict[str, Any], name: str, small: bool) -> str:
   """What the estimate leaves out of a fused attention (custom kernels): its GEMM FLOPs."""
+  if fused_attention_kernel() != "pallas_triton_mha":
+    return (
+      f"The attention ({fused_attention_kernel()}): jax {jax.__version__} has no Pallas Triton "
+      "flash attention, so XLA's own attention stands in, scores in memory; the estimates "
+      "count its GEMMs like any other."
+    )
   _, batch, _, sizes = _workload(name, small)
   report = reports["mpjax mixed_bf16 autocast"]
   kernels = [k for k in report.kernels if k.kind == "custom"]
@@ -557,6 +587,7 @@ def compile_record(target: str, gemm_backend: str) -> dict[str, Any]:
     "jax": jax.__version__,
     "jaxlib": jaxlib.__version__,
     "compiler_plugins": installed_plugins(),
+    "fused_attention_kernel": fused_attention_kernel(),  # what gpt2_fused runs on this jax
   }
 
 

@@ -470,6 +470,7 @@ def measure_model(name: str, small: bool, rounds: int, peak_tflops: float | None
     "model_flops": model_flops,
     "fused_attention_flops": attention_flops,
     "fused_attention_interpreted": fused and _kernels_interpreted(),
+    "fused_attention_kernel": bench.fused_attention_kernel() if fused else None,
     "seconds": time.perf_counter() - start,
     "variants": figures,
   }

@@ -421,3 +421,81 @@ def test_state_memory_without_fp32_is_refused_at_parsing(capsys):
   with pytest.raises(SystemExit):
     state_memory.main(["--small", "--models", "mlp", "--gemm_backends", "cublas"])
   assert "--gemm_backends cublas: gemm_backend='cublas' is not one of" in capsys.readouterr().err
+
+
+class DeclaresF32(nn.Module):
+  """A model as Flax's lm1b example and nanodo write one: every layer declares dtype=float32."""
+
+  @nn.compact
+  def __call__(self, tokens):
+    x = nn.Embed(64, 32, dtype=F32)(tokens)
+    h = nn.LayerNorm(dtype=F32)(x)
+    mask = nn.make_causal_mask(tokens)
+    x = x + nn.MultiHeadDotProductAttention(num_heads=2, dtype=F32)(h, h, mask=mask)
+    h = nn.LayerNorm(dtype=F32)(x)
+    x = x + nn.Dense(32, dtype=F32)(nn.gelu(nn.Dense(64, dtype=F32)(h)))
+    return nn.Dense(64, dtype=F32)(nn.LayerNorm(dtype=F32)(x))
+
+
+def _declares_f32_step(policy, **step_kwargs):
+  model = DeclaresF32()
+  tokens = jax.random.randint(jax.random.key(0), (4, 17), 0, 64)
+
+  def lm_loss(params, tokens):
+    logits = model.apply(params, tokens[:, :-1]).astype(F32)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+  params = model.init(jax.random.key(1), tokens[:, :-1])
+  state = mpjax.TrainState.create(
+    apply_fn=model.apply, params=params, tx=optax.adamw(1e-3), policy=policy
+  )
+  return jax.jit(mpjax.make_train_step(lm_loss, **step_kwargs)), state, tokens
+
+
+# The declared-f32 model's step: 9 forward GEMMs (4 projections and 2 attention einsums, 2 MLP
+# Dense layers, the head) and 18 backward ones (the first projections' input gradients summed
+# into one by XLA), as the compiled program counts them.
+DECLARED_F32_GEMMS = 27
+
+
+@pytest.mark.parametrize("policy", ["bf16_sr", "pure_bf16", "bf16_kahan"])
+def test_bf16_storage_runs_a_declared_f32_models_gemms_in_bf16_with_f32_accumulation(policy):
+  from mpjax.audit import parse_compiled_gemms
+
+  step, state, tokens = _declares_f32_step(policy)
+  gemms = parse_compiled_gemms(step.lower(state, tokens).compile().as_text())
+  assert len(gemms) == DECLARED_F32_GEMMS
+  assert {(g.lhs_dtype, g.rhs_dtype, g.accumulation) for g in gemms} == {
+    ("bfloat16", "bfloat16", "f32")
+  }
+  # The premise: casting the params to bf16 (the step before autocast ran these policies) leaves
+  # the model's declared f32 to widen every weight again, so every GEMM runs in f32.
+  old, _, _ = _declares_f32_step(policy, autocast=False)
+  old_gemms = parse_compiled_gemms(old.lower(state, tokens).compile().as_text())
+  assert {(g.lhs_dtype, g.rhs_dtype) for g in old_gemms} == {("float32", "float32")}
+  # The state stays in bf16 storage, the loss is f32 and close to the f32 model's.
+  new_state, metrics = step(state, tokens)
+  assert {x.dtype for x in jax.tree.leaves(new_state.params)} == {jnp.dtype(BF16)}
+  assert metrics["loss"].dtype == F32
+  f32_step, f32_state, _ = _declares_f32_step("fp32")
+  _, f32_metrics = f32_step(f32_state, tokens)
+  np.testing.assert_allclose(metrics["loss"], f32_metrics["loss"], rtol=2e-2)
+
+
+def test_bf16_storage_keeps_softmax_norms_and_the_loss_in_f32():
+  from jax.extend import core as jcore
+
+  def eqns(jaxpr):
+    for eqn in jaxpr.eqns:
+      yield eqn
+      for inner in jcore.jaxprs_in_params(eqn.params):
+        yield from eqns(getattr(inner, "jaxpr", inner))
+
+  step, state, tokens = _declares_f32_step("pure_bf16")
+  # Read from the traced step: every exp (softmax, GELU's tanh aside), rsqrt (LayerNorm) and log
+  # (the loss's log-softmax) runs in f32, forward and backward, as autocast runs them.
+  dtypes = {}
+  for eqn in eqns(jax.make_jaxpr(step)(state, tokens).jaxpr):
+    if eqn.primitive.name in ("exp", "rsqrt", "log"):
+      dtypes.setdefault(eqn.primitive.name, set()).add(np.dtype(eqn.outvars[0].aval.dtype))
+  assert dtypes == {"exp": {np.dtype(F32)}, "rsqrt": {np.dtype(F32)}, "log": {np.dtype(F32)}}

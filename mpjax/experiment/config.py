@@ -329,7 +329,7 @@ class Experiment:
       kwargs = {"train": False} if self.takes_train_flag else {}
       return self.model.apply({**params, **model_state}, inputs, **kwargs)
 
-    if self.policy.is_mixed:
+    if self.policy.computes_in_half:  # as the train step runs it
       run = autocast(forward, self.policy, rules=self.rules or None)
       logits = run(params, model_state, self._inputs(batch))
     else:
