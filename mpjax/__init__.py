@@ -9,6 +9,9 @@ from mpjax.autocast import OP_CLASSES as OP_CLASSES
 from mpjax.autocast import AutocastReport as AutocastReport
 from mpjax.autocast import autocast as autocast
 from mpjax.autocast import autocast_report as autocast_report
+from mpjax.collectives import Collective as Collective
+from mpjax.collectives import CollectiveReport as CollectiveReport
+from mpjax.collectives import collective_report as collective_report
 from mpjax.data import Dataset as Dataset
 from mpjax.data import load_dataset as load_dataset
 from mpjax.diagnose import NonFiniteReport as NonFiniteReport
@@ -26,6 +29,7 @@ from mpjax.gpu import TARGETS as TARGETS
 from mpjax.gpu import GpuTarget as GpuTarget
 from mpjax.gpu import compile_for as compile_for
 from mpjax.gpu import get_target as get_target
+from mpjax.gpu import target_mesh as target_mesh
 from mpjax.kernels import KernelReport as KernelReport
 from mpjax.kernels import kernel_report as kernel_report
 from mpjax.loss_scale import DynamicLossScale as DynamicLossScale
@@ -73,6 +77,9 @@ __all__ = [
   "OP_CLASSES",
   "autocast",
   "autocast_report",
+  "Collective",
+  "CollectiveReport",
+  "collective_report",
   "DynamicLossScale",
   "Fp8Recipe",
   "Fp8State",
@@ -97,6 +104,7 @@ __all__ = [
   "TARGETS",
   "compile_for",
   "get_target",
+  "target_mesh",
   "kernel_report",
   "configure_xla",
   "pad_to_multiple",

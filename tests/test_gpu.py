@@ -227,7 +227,7 @@ def test_a_missing_or_mismatched_compiler_plugin_names_the_fix(monkeypatch):
 
   monkeypatch.setattr(importlib.metadata, "version", missing)
   with pytest.raises(
-    RuntimeError, match=f"pip install --no-deps jax-cuda12-pjrt=={jaxlib.__version__}"
+    RuntimeError, match=f"pip install --no-deps jax-cuda13-pjrt=={jaxlib.__version__}"
   ):
     mpjax.gpu._check_compiler()
   monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.0.1")
@@ -251,8 +251,16 @@ def test_a_missing_or_mismatched_compiler_plugin_names_the_fix(monkeypatch):
   with pytest.raises(
     RuntimeError,
     match=rf"jax-cuda13-pjrt 0\.0\.1 does not match .*pip install --no-deps "
-    rf"jax-cuda13-pjrt=={re.escape(jaxlib.__version__)} +\(or jax-cuda12-pjrt==",
+    rf"jax-cuda13-pjrt=={re.escape(jaxlib.__version__)} ",
   ):
+    mpjax.gpu._check_compiler()
+  # A jaxlib past the last jax-cuda12-pjrt (0.12.0.1): the fix names only the cuda13 plugin.
+  monkeypatch.setattr(jaxlib, "__version__", "0.12.1")
+  with pytest.raises(RuntimeError) as e:
+    mpjax.gpu._check_compiler()
+  assert "jax-cuda13-pjrt==0.12.1" in str(e.value) and "cuda12-pjrt==" not in str(e.value)
+  monkeypatch.setattr(jaxlib, "__version__", "0.10.2")
+  with pytest.raises(RuntimeError, match=r"or jax-cuda12-pjrt==0\.10\.2"):
     mpjax.gpu._check_compiler()
 
 
@@ -695,26 +703,22 @@ ENTRY %main (p0: bf16[64,64], p1: bf16[64,64]) -> bf16[64,64] {
 
 
 @pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")  # jax >= 0.12
-@pytest.mark.filterwarnings("ignore:jax.experimental.pallas.ops.gpu.attention is deprecated")
-def test_a_pallas_flash_attention_compiles_for_the_gpu_and_its_kernels_are_counted():
-  # jax's own Pallas flash attention, forward and backward, as a model on the newest jax holds it:
+def test_a_pallas_kernel_compiles_for_the_gpu_and_its_kernels_are_counted():
+  # A Pallas (Triton) kernel with GEMMs of its own, forward and backward, as a model holds one:
   # from jax 0.11 Pallas lowers only where it can read the GPU (compile_for gives it the target's).
-  from jax.experimental.pallas.ops.gpu import attention
+  import pallas_matmul
 
-  q = jax.ShapeDtypeStruct((2, 256, 4, 64), jnp.bfloat16)  # (batch, length, heads, head_dim)
-
-  def loss(q, k, v):
-    out = attention.mha(q, k, v, segment_ids=None, causal=True)
-    return out.astype(jnp.float32).sum()
-
-  report = mpjax.kernel_report(jax.grad(loss, argnums=(0, 1, 2)), q, q, q, target="h100")
+  x, w = jax.ShapeDtypeStruct((64, 64), jnp.bfloat16), jax.ShapeDtypeStruct((64, 64), jnp.float32)
+  grad = jax.grad(pallas_matmul.loss, argnums=(0, 1))
+  report = mpjax.kernel_report(grad, x, w, target="h100")
   names = {k.name for k in report.kernels if k.kind == "custom"}
-  assert report.custom_kernels == len(names) >= 2, names  # the forward and the backward kernels
-  assert report.by_kind["gemm"] == 0  # attention's GEMMs are inside them, not XLA's
-  assert "Custom-call kernels that are no GEMM" in mpjax.kernels.kernel_table({"mha": report})
+  assert report.custom_kernels == len(names) == 3, names  # forward, and two backward kernels
+  # XLA's own GEMMs are the projection's (forward, and its two gradients), the kernels' are not.
+  assert report.by_kind["gemm"] == 3
+  assert "Custom-call kernels that are no GEMM" in mpjax.kernels.kernel_table({"pallas": report})
   # The audit lists no GEMM of a kernel's own program, and says which kernels it did not read.
-  audited = mpjax.audit(jax.grad(loss, argnums=(0, 1, 2)), q, q, q, target="h100")
-  assert audited.rows == () and len(audited.custom_kernels) == report.custom_kernels
+  audited = mpjax.audit(grad, x, w, target="h100")
+  assert len(audited.rows) == 3 and len(audited.custom_kernels) == report.custom_kernels
   assert "Not audited: " in audited.to_markdown()
 
 
