@@ -37,20 +37,20 @@ def lowering_platform(*trees: Any) -> str:
     device = getattr(mesh, "abstract_device", None)
     platform = getattr(device, "platform", None)
     if platform:
-      return _kind(str(platform))
+      return platform_kind(str(platform))
   for leaf in jax.tree.leaves(trees):
     if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer):
       try:
-        return _kind(next(iter(leaf.devices())).platform)
+        return platform_kind(next(iter(leaf.devices())).platform)
       except (RuntimeError, StopIteration):  # deleted (donated), or no device
         continue
   default = jax.config.jax_default_device
   if default is not None:
-    return _kind(default if isinstance(default, str) else default.platform)
+    return platform_kind(default if isinstance(default, str) else default.platform)
   return jax.default_backend()
 
 
-def _kind(platform: str) -> str:
+def platform_kind(platform: str) -> str:
   """A platform as ``jax.default_backend()`` names it: CUDA and ROCm are ``"gpu"``."""
   platform = platform.lower()
   return "gpu" if platform in ("cuda", "rocm", "gpu") else platform

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import struct
+from jax.sharding import NamedSharding, PartitionSpec
 
 from mpjax._dtypes import cast_floating, is_floating
 from mpjax.fp8 import Fp8State
@@ -63,6 +64,12 @@ class TrainState(struct.PyTreeNode):
     tx: the optax optimizer (static).
     policy: the precision :class:`Policy` (static: a new policy is a new
       compiled step).
+    layout: the sharding of every leaf, in ``jax.tree.leaves`` order, which
+      each train step gives its new state (static), so a jitted step keeps
+      the layout it was given and compiles once; ``None`` for a state on one
+      device (or made under ``jit``), whose step leaves placement to XLA. Set
+      by :meth:`create` for params sharded over a mesh, or by
+      :meth:`keep_layout`.
 
   Example:
     >>> import jax, jax.numpy as jnp, optax, flax.linen as nn
@@ -85,6 +92,34 @@ class TrainState(struct.PyTreeNode):
   apply_fn: Callable[..., Any] = struct.field(pytree_node=False)
   tx: optax.GradientTransformation = struct.field(pytree_node=False)
   policy: Policy = struct.field(pytree_node=False)
+  layout: tuple[jax.sharding.Sharding, ...] | None = struct.field(pytree_node=False, default=None)
+
+  def keep_layout(self) -> TrainState:
+    """This state, recording its leaves' shardings for every train step to keep.
+
+    :meth:`create` records them when the params are sharded over a mesh; call
+    this after placing a state otherwise (``jax.device_put(state, shardings)``,
+    a checkpoint restored onto another mesh). Under ``jax.jit`` XLA chooses
+    where a step's outputs go, and a replicated LayerNorm scale can come back
+    sharded, the jitted step then compiling again; with a recorded layout the
+    step puts each new leaf where the old one was.
+
+    Returns:
+      The state with ``layout`` set (``None`` when every leaf is on one
+      device: nothing to keep).
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax, mpjax
+      >>> state = mpjax.TrainState.create(apply_fn=None, params={"w": jnp.ones(4)},
+      ...     tx=optax.sgd(0.1))
+      >>> state.keep_layout().layout is None  # one device: nothing to keep
+      True
+    """
+    leaves = jax.tree.leaves(self)
+    shardings = tuple(_normalized(getattr(x, "sharding", None)) for x in leaves)
+    if any(s is None for s in shardings) or all(len(s.device_set) == 1 for s in shardings):
+      return self.replace(layout=None)
+    return self.replace(layout=shardings)
 
   @classmethod
   def create(
@@ -187,9 +222,70 @@ class TrainState(struct.PyTreeNode):
       tx=tx,
       policy=policy,
     )
-    if train_step is None:
-      return state
-    return init_fp8_state(train_step, state, example_batch)
+    if train_step is not None:
+      state = init_fp8_state(train_step, state, example_batch)
+    return _place_on_params_mesh(state)
+
+
+def _normalized(sharding: Any) -> Any:
+  """A ``NamedSharding`` as a jitted step returns it: its spec without trailing ``None`` s.
+
+  ``P("fsdp", None)`` and ``P("fsdp")`` place an array alike but are not equal, and ``jit``
+  compiles anew for an argument whose sharding is not equal to the last one's.
+  """
+  if not isinstance(sharding, NamedSharding):
+    return sharding
+  spec = tuple(sharding.spec)
+  while spec and spec[-1] is None:
+    spec = spec[:-1]
+  return NamedSharding(sharding.mesh, PartitionSpec(*spec), memory_kind=sharding.memory_kind)
+
+
+def _params_mesh(params: Any) -> jax.sharding.Mesh | None:
+  """The mesh of more than one device that the params are sharded or replicated over, if any."""
+  meshes = {
+    x.sharding.mesh
+    for x in jax.tree.leaves(params)
+    if isinstance(getattr(x, "sharding", None), NamedSharding)
+  }
+  if len(meshes) != 1:
+    return None
+  mesh = meshes.pop()
+  return mesh if mesh.size > 1 else None
+
+
+def _place_on_params_mesh(state: TrainState) -> TrainState:
+  """``state`` with every leaf on the params' mesh, and its layout recorded (see ``layout``).
+
+  What :meth:`TrainState.create` makes beside the params goes on the params' mesh: an optimizer
+  leaf of a param's path and shape (Adam's ``mu`` and ``nu``, a Kahan buffer) sharded like that
+  param, everything else (scalars, keys, FP8 histories, model state not placed yet) replicated.
+  Params on one device leave the state as it is.
+  """
+  mesh = _params_mesh(state.params)
+  if mesh is None:
+    return state
+  by_path = {
+    jax.tree_util.keystr(path): (x.shape, x.sharding)
+    for path, x in jax.tree_util.tree_leaves_with_path(state.params)
+  }
+  replicated = NamedSharding(mesh, PartitionSpec())
+
+  def where(path: tuple, x: Any) -> jax.sharding.Sharding:
+    sharding = getattr(x, "sharding", None)
+    if isinstance(sharding, NamedSharding) and sharding.mesh == mesh:
+      return sharding  # the params, and whatever the caller placed already
+    key = jax.tree_util.keystr(path)[len(".opt_state") :]
+    for suffix, (shape, param_sharding) in by_path.items():
+      if key.endswith(suffix) and shape == x.shape:
+        return param_sharding
+    return replicated
+
+  def place(path: tuple, x: Any) -> Any:
+    sharding = _normalized(where(path, x))
+    return x if getattr(x, "sharding", None) == sharding else jax.device_put(x, sharding)
+
+  return jax.tree_util.tree_map_with_path(place, state).keep_layout()
 
 
 def init_fp8_state(

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from mpjax._backend import by_platform
+from mpjax._backend import by_platform, lowering_platform, platform_kind
 from mpjax._dtypes import is_floating, to_f32
 from mpjax.autocast import autocast as autocast_fn
 from mpjax.autocast import autocast_with_fp8_scales, count_delayed_fp8_gemms
@@ -158,8 +158,8 @@ def make_train_step(
     loss_fn: ``loss_fn(params, batch)`` returning a scalar loss or ``(loss, aux)``.
       Under autocast it gets the stored params and the batch as they are; else
       params (unless ``cast_params=False``) and, with ``cast_batch``, the batch
-      in the compute dtype. Integer leaves such as labels are untouched. Compute the loss itself from f32 logits
-      (``logits.astype(jnp.float32)``) for fp16 safety.
+      in the compute dtype. Integer leaves such as labels are untouched. Compute
+      the loss from f32 logits (``logits.astype(jnp.float32)``) for fp16 safety.
     axis_name: under ``shard_map`` or ``pmap``, the data-parallel axis name(s):
       gradients and the loss are averaged over it and the finite decision is
       shared. Leave ``None`` under ``jit`` with shardings, where everything is
@@ -337,7 +337,28 @@ def _train_step(
     new_state = _apply_if_finite(state, operands, grads_finite)
   if out.aux is not None:
     metrics["aux"] = out.aux
-  return new_state, metrics
+  # Under shard_map or pmap (axis_name) each device holds its own state: there is no layout.
+  return _keep_layout(new_state, state.layout if axis_name is None else None), metrics
+
+
+def _keep_layout(state: TrainState, layout: tuple[Any, ...] | None) -> TrainState:
+  """``state`` with each leaf where ``layout`` (the given state's) put it: one compile, no drift.
+
+  Left to XLA, a jitted step's outputs go where its sharding propagation puts
+  them (a replicated LayerNorm scale can come back sharded over the batch axis),
+  and the next call compiles again. A layout of another platform's devices (a
+  CPU state compiled for a GPU target by :func:`mpjax.compile_for`) or of
+  another tree (the FP8 state made by the first step) is not applied.
+  """
+  leaves, treedef = jax.tree.flatten(state)
+  if layout is None or len(layout) != len(leaves):
+    return state
+  platforms = {d.platform for s in layout for d in s.device_set}
+  if {platform_kind(p) for p in platforms} != {lowering_platform(leaves)}:
+    return state
+  return treedef.unflatten(
+    [lax.with_sharding_constraint(x, s) for x, s in zip(leaves, layout, strict=True)]
+  )
 
 
 def _with_model_state(loss_fn: LossFn) -> Callable[..., Any]:

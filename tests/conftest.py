@@ -73,6 +73,13 @@ SLOW = {
   "tests/test_rounding.py::test_experiment_resumed_from_a_checkpoint": "trains a config twice",
   "tests/test_rounding.py::test_data_parallel_replicas_round": "8 host devices, two steps x2",
   "tests/test_rounding.py::test_h100_step_of_bf16_sr": "three whole-step GPU compiles",
+  # The FSDP mesh runs in the default set; the meshes of two and three axes here.
+  "tests/test_sharded.py::test_a_sharded_step_keeps_every_leafs_layout_and_compiles_once[axes1": (
+    "8 host devices, five policies"
+  ),
+  "tests/test_sharded.py::test_a_sharded_step_keeps_every_leafs_layout_and_compiles_once[axes2": (
+    "8 host devices, five policies"
+  ),
 }
 
 
