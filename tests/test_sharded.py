@@ -44,7 +44,8 @@ def loss_fn(params, batch):
   return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
 
 def described(state):
-  return [(jax.tree_util.keystr(p), x.sharding) for p, x in jax.tree_util.tree_leaves_with_path(state)]
+  leaves = jax.tree_util.tree_leaves_with_path(state)
+  return [(jax.tree_util.keystr(p), x.sharding) for p, x in leaves]
 
 for policy in POLICIES:
   step = jax.jit(mpjax.make_train_step(loss_fn), donate_argnums=0)
