@@ -499,3 +499,37 @@ def test_bf16_storage_keeps_softmax_norms_and_the_loss_in_f32():
     if eqn.primitive.name in ("exp", "rsqrt", "log"):
       dtypes.setdefault(eqn.primitive.name, set()).add(np.dtype(eqn.outvars[0].aval.dtype))
   assert dtypes == {"exp": {np.dtype(F32)}, "rsqrt": {np.dtype(F32)}, "log": {np.dtype(F32)}}
+
+
+@pytest.mark.parametrize("policy", ["bf16_sr", "pure_bf16"])
+def test_bf16_storage_runs_a_declared_f32_models_gemms_in_bf16_compiled_for_h100(policy):
+  import importlib.metadata
+
+  import mpjax.gpu
+  from mpjax.audit import parse_compiled_gemms
+
+  try:
+    importlib.metadata.version(mpjax.gpu.PLUGIN)
+  except importlib.metadata.PackageNotFoundError:
+    pytest.skip(f"needs XLA's CUDA compiler plugin ({mpjax.gpu.PLUGIN})")
+  step, state, tokens = _declares_f32_step(policy)
+  hlo = mpjax.compile_for(step, state, tokens, target="h100").as_text()
+  gemms = parse_compiled_gemms(hlo)
+  # The GEMMs of mixed_bf16's step of the same model (XLA:GPU merges a few of the CPU's), each
+  # a Tensor Core call multiplying bf16 x bf16 and accumulating in f32.
+  mixed, mixed_state, _ = _declares_f32_step("mixed_bf16")
+  mixed_gemms = parse_compiled_gemms(
+    mpjax.compile_for(mixed, mixed_state, tokens, target="h100").as_text()
+  )
+
+  def shapes(gemms):
+    return sorted(tuple(sorted(g.dims.items())) for g in gemms)
+
+  assert shapes(gemms) == shapes(mixed_gemms)
+  assert all(g.tensor_core for g in gemms)
+  assert {(g.lhs_dtype, g.rhs_dtype, g.accumulation) for g in gemms} == {
+    ("bfloat16", "bfloat16", "f32")
+  }
+  old, _, _ = _declares_f32_step(policy, autocast=False)  # the premise, as on the CPU
+  old_gemms = parse_compiled_gemms(mpjax.compile_for(old, state, tokens, target="h100").as_text())
+  assert {(g.lhs_dtype, g.rhs_dtype) for g in old_gemms} == {("float32", "float32")}
