@@ -197,8 +197,11 @@ def _lower(
     if recipe is not None:
       out = fp8_dot(ops[0], ops[1], scales, dims, recipe, compute, eqn.params.get("out_sharding"))
     else:
-      dot = mixed_dot.fun if ctx.linear else mixed_dot
-      out = dot(ops[0], ops[1], dims, compute, eqn.params.get("out_sharding"))
+      reduce = ctx.policy.reduce_dtype
+      if ctx.linear:
+        out = mixed_dot.fun(ops[0], ops[1], dims, compute, eqn.params.get("out_sharding"))
+      else:
+        out = mixed_dot(ops[0], ops[1], dims, compute, eqn.params.get("out_sharding"), reduce)
   elif eqn.primitive.name == "ragged_dot_general":
     ragged = mixed_ragged_dot.fun if ctx.linear else mixed_ragged_dot
     out = ragged(*ops, eqn.params["ragged_dot_dimension_numbers"], compute)

@@ -211,6 +211,7 @@ def backward_gemms(
   lhs_dtype: Any,
   rhs_dtype: Any,
   platform: str,
+  reduce_dtype: Any = None,
 ) -> tuple[jax.Array, jax.Array]:
   """The two GEMMs of a ``dot_general``'s gradient, from compute-dtype ``g``, ``lhs``, ``rhs``.
 
@@ -225,14 +226,22 @@ def backward_gemms(
   range a loss-scaled weight gradient (a sum over the whole batch) can exceed,
   keeps writing f32 there. An FP8 ``g`` (``mpjax.fp8``, with FP8 ``lhs`` and
   ``rhs``) makes both GEMMs write ``lhs_dtype`` and ``rhs_dtype`` themselves.
+
+  ``reduce_dtype`` (a policy's :attr:`mpjax.Policy.reduce_dtype`), where given,
+  is what both GEMMs write whatever the backend: under ``jit`` with a sharded
+  batch each device's GEMM writes a partial sum that XLA sums across devices in
+  the dtype the GEMM wrote, so this is the dtype of the gradient reductions.
   """
-  if platform == "cpu":
+  f32 = np.dtype(jnp.float32)
+  if platform == "cpu" and (reduce_dtype is None or np.dtype(reduce_dtype) == f32):
     # The cotangent may arrive transposed (through a transpose after the GEMM).
     d_lhs, d_rhs = _grad_dots(_row_major(g), lhs, rhs, dimension_numbers)
     return d_lhs.astype(lhs_dtype), d_rhs.astype(rhs_dtype)
 
   # JAX's own transpose rules; a bf16 GEMM writes bf16, an fp16 one its operand's dtype.
   def written(dtype):
+    if reduce_dtype is not None:
+      return reduce_dtype
     return g.dtype if g.dtype == jnp.bfloat16 else dtype
 
   kw = dict(dimension_numbers=dimension_numbers, precision=None, out_sharding=None)
@@ -253,12 +262,13 @@ def backward_gemms(
   return d_lhs.astype(lhs_dtype), d_rhs.astype(rhs_dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
-def mixed_dot(lhs, rhs, dimension_numbers, compute_dtype, out_sharding=None):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def mixed_dot(lhs, rhs, dimension_numbers, compute_dtype, out_sharding=None, reduce_dtype=None):
   """``dot_general`` with compute-dtype operands and f32 accumulation, forward and backward.
 
   Lowered for the backend it is traced for (``lowering_platform``, see
-  :func:`forward_gemm`).
+  :func:`forward_gemm`); its gradient GEMMs write ``reduce_dtype`` where given
+  (see :func:`backward_gemms`).
   """
   return forward_gemm(
     lhs.astype(compute_dtype),
@@ -270,12 +280,12 @@ def mixed_dot(lhs, rhs, dimension_numbers, compute_dtype, out_sharding=None):
   )
 
 
-def _mixed_dot_fwd(lhs, rhs, dimension_numbers, compute_dtype, out_sharding):
+def _mixed_dot_fwd(lhs, rhs, dimension_numbers, compute_dtype, out_sharding, reduce_dtype):
   dtypes = (jnp.zeros((0,), lhs.dtype), jnp.zeros((0,), rhs.dtype))
   if lowering_platform(lhs, rhs) == "cpu":
     # Keep the operands as they came: a weight stays its f32 self (alive
     # anyway), an activation is already in the compute dtype.
-    out = mixed_dot(lhs, rhs, dimension_numbers, compute_dtype, out_sharding)
+    out = mixed_dot(lhs, rhs, dimension_numbers, compute_dtype, out_sharding, reduce_dtype)
     return out, (lhs, rhs, *dtypes)
   # GPU/TPU: cast each operand once and keep the compute-dtype copies for the
   # backward GEMMs (a weight's cast is half its f32 size; casting it again in
@@ -286,7 +296,7 @@ def _mixed_dot_fwd(lhs, rhs, dimension_numbers, compute_dtype, out_sharding):
   return out, (lhs_c, rhs_c, *dtypes)
 
 
-def _mixed_dot_bwd(dimension_numbers, compute_dtype, out_sharding, residuals, g):
+def _mixed_dot_bwd(dimension_numbers, compute_dtype, out_sharding, reduce_dtype, residuals, g):
   lhs, rhs, lhs_dtype, rhs_dtype = residuals
   return backward_gemms(
     g.astype(compute_dtype),
@@ -296,6 +306,7 @@ def _mixed_dot_bwd(dimension_numbers, compute_dtype, out_sharding, residuals, g)
     lhs_dtype.dtype,
     rhs_dtype.dtype,
     lowering_platform(lhs, rhs),
+    reduce_dtype,
   )
 
 

@@ -95,6 +95,18 @@ class Policy:
       An optimizer that casts its own state (``optax.adam(lr,
       mu_dtype=jnp.bfloat16)``) rounds it to nearest whatever this says: set
       ``opt_state_dtype`` instead.
+    reduce_dtype: the dtype gradients are summed in across devices (FSDP2's
+      ``reduce_dtype``): ``jnp.float32``, or the compute dtype for half the
+      bytes. Each GEMM's gradient writes it, so the reduce-scatter or
+      all-reduce XLA makes of a sharded batch's partial sums moves it (under
+      ``shard_map``/``pmap`` the step's ``pmean`` casts to it). ``None``
+      (default): as the GEMM writes, bf16 for bf16 on a GPU, f32 for fp16 and
+      on a CPU.
+    gather_dtype: the dtype sharded params travel in to the devices that
+      compute with them (FSDP2's ``param_dtype``): each shard is cast before it
+      leaves its device, the cast pinned to the shard (see
+      :func:`mpjax.make_train_step`). ``None`` (default): the compute dtype for
+      a policy that computes in half precision, where the step enforces it.
 
   Example:
     >>> import jax.numpy as jnp
@@ -114,14 +126,17 @@ class Policy:
   fp8: Fp8Recipe | None = None
   opt_state_dtype: DTypeLike | None = None
   rounding: str = "nearest"
+  reduce_dtype: DTypeLike | None = None
+  gather_dtype: DTypeLike | None = None
 
   def __post_init__(self):
     for field in ("param_dtype", "compute_dtype", "output_dtype"):
       object.__setattr__(self, field, _canonical_dtype(getattr(self, field), field))
-    if self.opt_state_dtype is not None:
-      dtype = _canonical_dtype(self.opt_state_dtype, "opt_state_dtype")
-      object.__setattr__(self, "opt_state_dtype", dtype)
+    for field in ("opt_state_dtype", "reduce_dtype", "gather_dtype"):
+      if getattr(self, field) is not None:
+        object.__setattr__(self, field, _canonical_dtype(getattr(self, field), field))
     _check_rounding(self)
+    _check_collectives(self)
     if self.fp8 is not None:
       if not isinstance(self.fp8, Fp8Recipe):
         raise ValueError(
@@ -251,6 +266,18 @@ def _check_rounding(policy: Policy) -> None:
       f"params and optimizer state in {policy.param_dtype.name}; "
       "set param_dtype or opt_state_dtype to jnp.bfloat16, or use rounding='nearest'."
     )
+
+
+def _check_collectives(policy: Policy) -> None:
+  """Refuses a reduce_dtype or gather_dtype other than f32 or the compute dtype."""
+  for field in ("reduce_dtype", "gather_dtype"):
+    dtype = getattr(policy, field)
+    if dtype is not None and dtype not in (_F32, policy.compute_dtype):
+      raise ValueError(
+        f"Policy {field}={dtype.name}: collectives move float32 or the compute dtype "
+        f"({policy.compute_dtype.name}); use {field}=jnp.float32 or "
+        f"{field}=jnp.{policy.compute_dtype.name}, or None for the default."
+      )
 
 
 PRESETS: dict[str, Policy] = {
@@ -423,8 +450,9 @@ def _spec_error(spec: Any, problem: str) -> ValueError:
     f"({', '.join(repr(n) for n in names)}); jmp's grammar such as "
     "'params=float32,compute=bfloat16,output=float32', 'p=f32,c=bf16' or a single dtype "
     "('half', 'full', 'bf16', 'f16', 'f32'), with mpjax's keys 'opt=' (or "
-    "'opt_state_dtype=') and 'rounding=' (e.g. 'p=bf16,c=bf16,o=f32,opt=bf16,"
-    "rounding=stochastic'); a jmp.Policy; or an mpjax.Policy. "
+    "'opt_state_dtype='), 'rounding=', 'reduce=' and 'gather=' (e.g. 'p=bf16,c=bf16,o=f32,"
+    "opt=bf16,rounding=stochastic', 'p=f32,c=bf16,reduce=f32'); a jmp.Policy; or an "
+    "mpjax.Policy. "
     f"Nearest preset: {nearest[0]!r}."
   )
 
@@ -449,6 +477,9 @@ def _parse_string(spec: str) -> tuple[Policy, str]:
     if sep and key == "rounding":
       storage["rounding"] = value
       continue
+    if sep and key in ("reduce", "reduce_dtype", "gather", "gather_dtype"):
+      storage[key.removesuffix("_dtype") + "_dtype"] = _parse_dtype(value, spec)
+      continue
     if key == "fp8":
       raise ValueError(
         f"Cannot read precision policy {spec!r}: an 'fp8=' key (str() of an FP8 policy) does "
@@ -459,7 +490,7 @@ def _parse_string(spec: str) -> tuple[Policy, str]:
       raise _spec_error(
         spec,
         f"Unknown key {key!r}: {part.strip()!r} is not 'params=', 'compute=', 'output=', "
-        "'opt=', 'opt_state_dtype=' or 'rounding='",
+        "'opt=', 'opt_state_dtype=', 'rounding=', 'reduce=' or 'gather='",
       )
     dtypes[_KEYS[key]] = _parse_dtype(value, spec)
   # jmp's defaults: params f32, compute follows params, output follows compute.

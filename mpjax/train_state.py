@@ -14,6 +14,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from mpjax._dtypes import cast_floating, is_floating
 from mpjax.fp8 import Fp8State
+from mpjax.layout import layout_of, mesh_of, normalized_sharding
 from mpjax.loss_scale import DynamicLossScale, LossScale, NoOpLossScale
 from mpjax.policy import Policy, get_policy
 from mpjax.rounding import init_opt_state
@@ -115,11 +116,15 @@ class TrainState(struct.PyTreeNode):
       >>> state.keep_layout().layout is None  # one device: nothing to keep
       True
     """
-    leaves = jax.tree.leaves(self)
-    shardings = tuple(_normalized(getattr(x, "sharding", None)) for x in leaves)
-    if any(s is None for s in shardings) or all(len(s.device_set) == 1 for s in shardings):
-      return self.replace(layout=None)
-    return self.replace(layout=shardings)
+    return self.replace(layout=layout_of(self))
+
+  @property
+  def params_layout(self) -> tuple[jax.sharding.Sharding, ...] | None:
+    """The recorded shardings of the params' leaves alone (see ``layout``), or ``None``."""
+    if self.layout is None:
+      return None
+    shardings = jax.tree.unflatten(jax.tree.structure(self), self.layout)
+    return tuple(jax.tree.leaves(shardings.params))
 
   @classmethod
   def create(
@@ -227,33 +232,6 @@ class TrainState(struct.PyTreeNode):
     return _place_on_params_mesh(state)
 
 
-def _normalized(sharding: Any) -> Any:
-  """A ``NamedSharding`` as a jitted step returns it: its spec without trailing ``None`` s.
-
-  ``P("fsdp", None)`` and ``P("fsdp")`` place an array alike but are not equal, and ``jit``
-  compiles anew for an argument whose sharding is not equal to the last one's.
-  """
-  if not isinstance(sharding, NamedSharding):
-    return sharding
-  spec = tuple(sharding.spec)
-  while spec and spec[-1] is None:
-    spec = spec[:-1]
-  return NamedSharding(sharding.mesh, PartitionSpec(*spec), memory_kind=sharding.memory_kind)
-
-
-def _params_mesh(params: Any) -> jax.sharding.Mesh | None:
-  """The mesh of more than one device that the params are sharded or replicated over, if any."""
-  meshes = {
-    x.sharding.mesh
-    for x in jax.tree.leaves(params)
-    if isinstance(getattr(x, "sharding", None), NamedSharding)
-  }
-  if len(meshes) != 1:
-    return None
-  mesh = meshes.pop()
-  return mesh if mesh.size > 1 else None
-
-
 def _place_on_params_mesh(state: TrainState) -> TrainState:
   """``state`` with every leaf on the params' mesh, and its layout recorded (see ``layout``).
 
@@ -262,7 +240,7 @@ def _place_on_params_mesh(state: TrainState) -> TrainState:
   param, everything else (scalars, keys, FP8 histories, model state not placed yet) replicated.
   Params on one device leave the state as it is.
   """
-  mesh = _params_mesh(state.params)
+  mesh = mesh_of(state.params)
   if mesh is None:
     return state
   by_path = {
@@ -275,14 +253,14 @@ def _place_on_params_mesh(state: TrainState) -> TrainState:
     sharding = getattr(x, "sharding", None)
     if isinstance(sharding, NamedSharding) and sharding.mesh == mesh:
       return sharding  # the params, and whatever the caller placed already
-    key = jax.tree_util.keystr(path)[len(".opt_state") :]
+    key = jax.tree_util.keystr(path)
     for suffix, (shape, param_sharding) in by_path.items():
       if key.endswith(suffix) and shape == x.shape:
         return param_sharding
     return replicated
 
   def place(path: tuple, x: Any) -> Any:
-    sharding = _normalized(where(path, x))
+    sharding = normalized_sharding(where(path, x))
     return x if getattr(x, "sharding", None) == sharding else jax.device_put(x, sharding)
 
   return jax.tree_util.tree_map_with_path(place, state).keep_layout()

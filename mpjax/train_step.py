@@ -12,11 +12,12 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from mpjax._backend import by_platform, lowering_platform, platform_kind
-from mpjax._dtypes import is_floating, to_f32
+from mpjax._backend import by_platform
+from mpjax._dtypes import cast_floating, is_floating, to_f32
 from mpjax.autocast import autocast as autocast_fn
 from mpjax.autocast import autocast_with_fp8_scales, count_delayed_fp8_gemms
 from mpjax.fp8 import Fp8State, advance, delayed_scales
+from mpjax.layout import cast_shards, constrain_to_layout
 from mpjax.loss_scale import (
   DynamicLossScale,
   LossScale,
@@ -307,10 +308,11 @@ def _train_step(
   run = _forward(model_fn, policy, batch, use_autocast, options)
   check = _checks_gradients(options.skip_nonfinite, policy, loss_scale)
 
-  out = _loss_and_grads(run, state, batch, fp8_scales, axis_name)
+  gather = _gather_dtype(policy, use_autocast and axis_name is None)
+  out = _loss_and_grads(run, state, batch, fp8_scales, axis_name, gather)
   new_fp8 = _advance_fp8(fp8_state, out.fp8_scales, out.fp8_amaxes, axis_name)
   grads, loss, model_state = _unscale_and_average(
-    out.grads, out.loss, out.model_state, loss_scale, axis_name
+    out.grads, out.loss, out.model_state, loss_scale, axis_name, policy.reduce_dtype
   )
   metrics = {"loss": loss, "loss_scale": loss_scale.loss_scale}
   if check or options.max_grad_norm is not None:
@@ -338,27 +340,7 @@ def _train_step(
   if out.aux is not None:
     metrics["aux"] = out.aux
   # Under shard_map or pmap (axis_name) each device holds its own state: there is no layout.
-  return _keep_layout(new_state, state.layout if axis_name is None else None), metrics
-
-
-def _keep_layout(state: TrainState, layout: tuple[Any, ...] | None) -> TrainState:
-  """``state`` with each leaf where ``layout`` (the given state's) put it: one compile, no drift.
-
-  Left to XLA, a jitted step's outputs go where its sharding propagation puts
-  them (a replicated LayerNorm scale can come back sharded over the batch axis),
-  and the next call compiles again. A layout of another platform's devices (a
-  CPU state compiled for a GPU target by :func:`mpjax.compile_for`) or of
-  another tree (the FP8 state made by the first step) is not applied.
-  """
-  leaves, treedef = jax.tree.flatten(state)
-  if layout is None or len(layout) != len(leaves):
-    return state
-  platforms = {d.platform for s in layout for d in s.device_set}
-  if {platform_kind(p) for p in platforms} != {lowering_platform(leaves)}:
-    return state
-  return treedef.unflatten(
-    [lax.with_sharding_constraint(x, s) for x, s in zip(leaves, layout, strict=True)]
-  )
+  return constrain_to_layout(new_state, state.layout if axis_name is None else None), metrics
 
 
 def _with_model_state(loss_fn: LossFn) -> Callable[..., Any]:
@@ -432,6 +414,23 @@ def _forward(
   return run
 
 
+def _gather_dtype(policy: Policy, autocasts: bool) -> Any:
+  """The dtype sharded params are cast to before they are gathered, or ``None`` for no cast.
+
+  The policy's ``gather_dtype``, else a bf16 compute dtype, for a step that autocasts under
+  ``jit`` (under ``shard_map`` or ``pmap`` each device holds whole params: nothing gathers);
+  f32 means no cast. Not by default for fp16, whose weight gradients the GEMMs write in the
+  weight's dtype (f32 for a master, for range: an fp16 weight's loss-scaled gradient would
+  overflow), nor under FP8, whose recipe plans its GEMMs on the f32 masters.
+  """
+  if not autocasts or policy.fp8 is not None:
+    return None
+  dtype = policy.gather_dtype
+  if dtype is None and policy.compute_dtype == jnp.bfloat16:
+    dtype = policy.compute_dtype
+  return None if dtype is None or dtype == jnp.float32 else dtype
+
+
 def _checks_gradients(skip_nonfinite: bool | None, policy: Policy, loss_scale: LossScale) -> bool:
   """Whether the step checks its gradients and skips a non-finite update (see make_train_step)."""
   if skip_nonfinite is None:
@@ -463,10 +462,17 @@ def _loss_and_grads(
   batch: Any,
   fp8_scales: jax.Array | None,
   axis_name: Hashable | Sequence[Hashable] | None,
+  gather_dtype: Any = None,
 ) -> _Grads:
-  """The scaled loss's gradients with respect to the params (and the FP8 scales)."""
+  """The scaled loss's gradients with respect to the params (and the FP8 scales).
+
+  With a ``gather_dtype`` each sharded param is cast to it on its own shard first
+  (:func:`mpjax.layout.cast_shards`), so its all-gathers move that dtype.
+  """
 
   def scaled_loss(params, fp8_scales):
+    if gather_dtype is not None:
+      params = cast_shards(params, state.params_layout, gather_dtype)
     out = run(fp8_scales, params, state.model_state, batch)
     if not (isinstance(out, (tuple, list)) and len(out) == 2):
       raise ValueError(
@@ -506,12 +512,22 @@ def _unscale_and_average(
   model_state: Any,
   loss_scale: LossScale,
   axis_name: Hashable | Sequence[Hashable] | None,
+  reduce_dtype: Any = None,
 ) -> tuple[Any, jax.Array, Any]:
-  """Unscaled f32 gradients, loss and model state, averaged over ``axis_name``."""
+  """Unscaled f32 gradients, loss and model state, averaged over ``axis_name``.
+
+  With a ``reduce_dtype`` (:attr:`mpjax.Policy.reduce_dtype`) the gradients are averaged in it,
+  still scaled (a half-precision sum of unscaled fp16 gradients would underflow); else in f32.
+  """
+  in_reduce_dtype = axis_name is not None and reduce_dtype is not None
+  if in_reduce_dtype:
+    grads = lax.pmean(cast_floating(grads, reduce_dtype), axis_name)
   # f32 gradients whatever the params' dtype (pure_bf16), for the norm and the update.
   grads = jax.tree.map(to_f32, loss_scale.unscale(grads))
   if axis_name is not None:
-    grads, loss = lax.pmean((grads, loss), axis_name)
+    if not in_reduce_dtype:
+      grads = lax.pmean(grads, axis_name)
+    loss = lax.pmean(loss, axis_name)
     model_state = jax.tree.map(
       lambda x: lax.pmean(x, axis_name) if is_floating(x) else x, model_state
     )

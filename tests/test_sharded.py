@@ -85,3 +85,113 @@ def test_a_sharded_step_keeps_every_leafs_layout_and_compiles_once(axes):
   assert proc.returncode == 0 and proc.stdout.strip().endswith("all ok"), (
     proc.stdout[-2000:] + proc.stderr[-4000:]
   )
+
+
+def _fsdp_step_for_h100(policy, fsdp=8):
+  """An MLP's train step, params sharded over ``fsdp`` H100s, compiled here: its collectives."""
+  import importlib.metadata
+
+  import jax
+  import jax.numpy as jnp
+  import optax
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  import mpjax
+  import mpjax.gpu
+
+  try:
+    importlib.metadata.version(mpjax.gpu.PLUGIN)
+  except importlib.metadata.PackageNotFoundError:
+    pytest.skip(f"needs XLA's CUDA compiler plugin ({mpjax.gpu.PLUGIN})")
+
+  def loss_fn(params, batch):
+    h = jax.nn.relu(batch["x"] @ params["w1"])
+    return jnp.mean((h @ params["w2"]).astype(jnp.float32) ** 2)
+
+  params = {"w1": jnp.ones((256, 1024)), "w2": jnp.ones((1024, 256))}
+  state = mpjax.TrainState.create(apply_fn=None, params=params, tx=optax.sgd(0.1), policy=policy)
+  mesh = mpjax.target_mesh("h100", {"fsdp": fsdp})
+
+  def placed(x, spec):
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec))
+
+  state = jax.tree.map(lambda x: placed(x, P("fsdp") if x.ndim == 2 else P()), state)
+  batch = {"x": placed(jnp.ones((64, 256)), P("fsdp"))}
+  step = jax.jit(mpjax.make_train_step(loss_fn))
+  return mpjax.compile_for(step, state, batch, target="h100")
+
+
+@pytest.mark.parametrize(
+  "spec, reduced",
+  [
+    ("mixed_bf16", "bfloat16"),
+    ("p=f32,c=bf16,reduce=f32", "float32"),
+    ("p=f32,c=bf16,reduce=bf16", "bfloat16"),
+  ],
+)
+def test_reduce_dtype_is_the_dtype_of_every_gradient_reduction_compiled_for_8_h100s(spec, reduced):
+  from mpjax.collectives import collective_report
+
+  report = collective_report(_fsdp_step_for_h100(spec), target="h100", reduce_dtype="float32")
+  # The weights' gradients: one reduce-scatter each over the 8 devices (the loss's mean is a
+  # scalar all-reduce), in the policy's reduce dtype: f32 moves twice bf16's bytes.
+  grads = [c for c in report.collectives if c.kind == "reduce-scatter"]
+  assert len(grads) >= 1 and {c.dtype for c in grads} == {reduced}, report
+  grad_bytes = sum(c.bytes * c.count for c in grads)
+  assert grad_bytes == 2 * 256 * 1024 * (4 if reduced == "float32" else 2)
+  # Read against an f32 reduce dtype, a bf16 reduction is flagged, an f32 one is not.
+  assert all(("reduce-narrow" in c.flags) == (reduced == "bfloat16") for c in grads)
+  # The forward's weight all-gathers stay in the compute dtype.
+  assert {c.dtype for c in report.collectives if c.kind == "all-gather"} == {"bfloat16"}
+
+
+def test_the_step_gathers_sharded_params_in_bf16_where_xla_would_gather_f32_jax_23543():
+  import importlib.metadata
+
+  import jax
+  import jax.numpy as jnp
+  import optax
+  from jax import lax
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  import mpjax
+  import mpjax.gpu
+  from mpjax.collectives import collective_report
+
+  try:
+    importlib.metadata.version(mpjax.gpu.PLUGIN)
+  except importlib.metadata.PackageNotFoundError:
+    pytest.skip(f"needs XLA's CUDA compiler plugin ({mpjax.gpu.PLUGIN})")
+  mesh = mpjax.target_mesh("h100", {"fsdp": 8})
+
+  def loss_fn(params, batch):
+    # jax#23543's pattern: the weight gathered whole, then cast for the GEMM. The barrier keeps
+    # XLA from moving the convert before the gather, as it does in the programs of that issue.
+    w = lax.optimization_barrier(
+      lax.with_sharding_constraint(params["w"], NamedSharding(mesh, P()))
+    )
+    return jnp.mean((batch["x"] @ w).astype(jnp.float32) ** 2)
+
+  def placed(x, spec):
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec))
+
+  state = mpjax.TrainState.create(
+    apply_fn=None, params={"w": jnp.ones((1024, 1024))}, tx=optax.sgd(0.1), policy="mixed_bf16"
+  )
+  state = jax.tree.map(lambda x: placed(x, P("fsdp") if x.ndim == 2 else P()), state)
+  batch = {"x": placed(jnp.ones((64, 1024)), P("fsdp"))}
+  step = jax.jit(mpjax.make_train_step(loss_fn))
+
+  def gathers(state):
+    report = collective_report(mpjax.compile_for(step, state, batch, target="h100"))
+    return [c for c in report.collectives if c.kind == "all-gather" and c.bytes >= 2**20]
+
+  # The premise: with no layout recorded, the f32 master crosses the wire whole, flagged.
+  (wide,) = gathers(state)
+  assert wide.dtype == "float32" and wide.bytes == 1024 * 1024 * 4 and "gather-wide" in wide.flags
+  # With the layout (the one TrainState.create records for a state it places), the step casts
+  # each shard to bf16 before it leaves its device: half the bytes, nothing flagged.
+  (narrow,) = gathers(state.keep_layout())
+  assert narrow.dtype == "bfloat16" and narrow.bytes == 1024 * 1024 * 2 and not narrow.flags

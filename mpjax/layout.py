@@ -1,0 +1,122 @@
+"""Where a sharded train state lives: its layout, kept by every step, and shards cast in place.
+
+Under ``jax.jit`` with ``NamedSharding`` s (FSDP, tensor parallel, meshes of
+several axes) XLA's sharding propagation decides where a step's outputs go,
+and a replicated LayerNorm scale can come back sharded over the batch axis:
+the next call then compiles again. The step cannot see its inputs' shardings
+while it traces (in ``Auto`` mesh axes, the default), so the state records them
+(:attr:`mpjax.TrainState.layout`) and the step puts each new leaf back
+(:func:`constrain_to_layout`). The same record lets the step cast each sharded
+parameter to the policy's gather dtype on its own shard, before anything
+gathers it (:func:`cast_shards`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from mpjax._backend import lowering_platform, platform_kind
+from mpjax._dtypes import is_floating
+
+__all__ = [
+  "cast_shards",
+  "constrain_to_layout",
+  "layout_of",
+  "mesh_of",
+  "normalized_sharding",
+]
+
+
+def normalized_sharding(sharding: Any) -> Any:
+  """A ``NamedSharding`` as a jitted step returns it: its spec without trailing ``None`` s.
+
+  ``P("fsdp", None)`` and ``P("fsdp")`` place an array alike but are not equal, and ``jit``
+  compiles anew for an argument whose sharding is not equal to the last call's.
+
+  Example:
+    >>> import jax, numpy as np
+    >>> from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    >>> from mpjax.layout import normalized_sharding
+    >>> mesh = Mesh(np.array(jax.devices()[:1]), ("fsdp",))
+    >>> normalized_sharding(NamedSharding(mesh, P("fsdp", None))).spec
+    PartitionSpec('fsdp',)
+  """
+  if not isinstance(sharding, NamedSharding):
+    return sharding
+  spec = tuple(sharding.spec)
+  while spec and spec[-1] is None:
+    spec = spec[:-1]
+  return NamedSharding(sharding.mesh, PartitionSpec(*spec), memory_kind=sharding.memory_kind)
+
+
+def mesh_of(tree: Any) -> jax.sharding.Mesh | None:
+  """The one mesh of more than one device that ``tree``'s leaves are placed on, if there is one."""
+  meshes = {
+    x.sharding.mesh
+    for x in jax.tree.leaves(tree)
+    if isinstance(getattr(x, "sharding", None), NamedSharding)
+  }
+  if len(meshes) != 1:
+    return None
+  mesh = meshes.pop()
+  return mesh if mesh.size > 1 else None
+
+
+def layout_of(tree: Any) -> tuple[jax.sharding.Sharding, ...] | None:
+  """The (normalized) sharding of every leaf of ``tree``, or ``None`` if all are on one device.
+
+  Arrays and ``jax.ShapeDtypeStruct`` s placed with a sharding both have one; a leaf without
+  any (a host value) makes the layout ``None``.
+  """
+  leaves = jax.tree.leaves(tree)
+  shardings = tuple(normalized_sharding(getattr(x, "sharding", None)) for x in leaves)
+  if any(s is None for s in shardings) or all(len(s.device_set) == 1 for s in shardings):
+    return None
+  return shardings
+
+
+def _applies(layout: tuple[Any, ...] | None, leaves: list[Any]) -> bool:
+  """Whether ``layout`` is of these leaves and of the devices XLA is lowering for.
+
+  A CPU state's layout does not apply when :func:`mpjax.compile_for` lowers its step for a GPU
+  target, nor a layout of another tree (the FP8 state made by the first step).
+  """
+  if layout is None or len(layout) != len(leaves):
+    return False
+  platforms = {platform_kind(d.platform) for s in layout for d in s.device_set}
+  return platforms == {lowering_platform(leaves)}
+
+
+def constrain_to_layout(tree: Any, layout: tuple[Any, ...] | None) -> Any:
+  """``tree`` (traced) with each leaf placed as ``layout`` says, where the layout applies."""
+  leaves, treedef = jax.tree.flatten(tree)
+  if not _applies(layout, leaves):
+    return tree
+  return treedef.unflatten(
+    [lax.with_sharding_constraint(x, s) for x, s in zip(leaves, layout, strict=True)]
+  )
+
+
+def cast_shards(params: Any, layout: tuple[Any, ...] | None, dtype: Any) -> Any:
+  """Each sharded floating leaf of ``params`` cast to ``dtype`` on its own shard.
+
+  The cast is pinned to the leaf's sharding, so whatever gathers the parameter (XLA's
+  all-gather for a GEMM over another axis) moves ``dtype``: XLA may otherwise gather the f32
+  shard and convert after (jax#23543). Replicated leaves and a layout that does not apply
+  (see :func:`constrain_to_layout`) leave ``params`` as they are.
+  """
+  leaves, treedef = jax.tree.flatten(params)
+  if not _applies(layout, leaves):
+    return params
+
+  def cast(x: Any, sharding: Any) -> Any:
+    replicated = all(axis is None for axis in getattr(sharding, "spec", ()))
+    if replicated or not is_floating(x) or x.dtype == dtype:
+      return x
+    return lax.with_sharding_constraint(x.astype(dtype), sharding)
+
+  return treedef.unflatten([cast(x, s) for x, s in zip(leaves, layout, strict=True)])
