@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jcore
 
+from mpjax.collectives import CollectiveReport, collective_report
 from mpjax.gpu import compile_for, describe_gemm_backend, get_target, on_target
 from mpjax.hlo import (
   TENSOR_CORE_KINDS,
@@ -282,6 +283,9 @@ class AuditReport:
     custom_kernels: the path of each custom kernel (a Pallas ``pallas_call``):
       the GEMMs inside it are not audited, nor counted in the share (see
       :func:`mpjax.jaxpr_gemms.jaxpr_custom_kernels`).
+    collectives: compiled for a GPU target, the program's collectives
+      (:func:`mpjax.collective_report`: all-gathers and gradient reductions of
+      a sharded step, their dtypes and bytes); ``None`` otherwise.
   """
 
   rows: tuple[GemmRow, ...]
@@ -289,6 +293,7 @@ class AuditReport:
   compiled_note: str
   compiled_only: tuple[CompiledGemm, ...] = ()
   custom_kernels: tuple[str, ...] = ()
+  collectives: CollectiveReport | None = None
 
   @property
   def total_flops(self) -> float:
@@ -344,6 +349,7 @@ class AuditReport:
       "rows": [r.to_dict() for r in self.rows],
       "compiled_only": [g.to_dict() for g in self.compiled_only],
       "custom_kernels": list(self.custom_kernels),
+      "collectives": None if self.collectives is None else self.collectives.to_dict(),
     }
 
   def to_markdown(self) -> str:
@@ -380,6 +386,9 @@ class AuditReport:
         f"- `{g.name}`: `{g.call}` {g.lhs_dtype} {g.lhs_shape} x {g.rhs_dtype} {g.rhs_shape}"
         for g in self.compiled_only
       ]
+    if self.collectives is not None and self.collectives.collectives:
+      lines += ["", "Collectives (a sharded program's all-gathers and reductions):", ""]
+      lines += [str(self.collectives)]
     fp8 = [r for r in self.rows if is_fp8(r.lhs_dtype) or is_fp8(r.rhs_dtype)]
     if fp8:
       compiled = [r for r in fp8 if r.compiled_dtypes is not None]
@@ -597,10 +606,14 @@ def audit(
     mode = describe_gemm_backend(gemm_backend)  # an unknown mode raises before compiling
     args, kwargs = on_target(target, (args, kwargs))
     jaxpr = jax.make_jaxpr(flat)(args, kwargs)
-    hlo_text = compile_for(flat, args, kwargs, target=target, gemm_backend=gemm_backend).as_text()
-    report = audit_jaxpr(jaxpr, platform="gpu", hlo_text=hlo_text)
+    compiled = compile_for(flat, args, kwargs, target=target, gemm_backend=gemm_backend)
+    report = audit_jaxpr(jaxpr, platform="gpu", hlo_text=compiled.as_text())
     where = f"Compiled for {get_target(target).device} without a GPU, in {mode}."
-    report = dataclasses.replace(report, compiled_note=f"{report.compiled_note} {where}")
+    report = dataclasses.replace(
+      report,
+      compiled_note=f"{report.compiled_note} {where}",
+      collectives=collective_report(compiled, target=target),
+    )
     if print_report:
       print(report)
     return report

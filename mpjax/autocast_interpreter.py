@@ -139,16 +139,21 @@ def _as_traced(eqn: Any, invals: Sequence[Any], kinds: Sequence[int]) -> list[An
   ]
 
 
-def _explicit(eqn: Any) -> bool:
-  """Whether a GEMM's dtypes were chosen by its author (a precision, a mixed or other dtype)."""
-  lhs_t, rhs_t = (v.aval.dtype for v in eqn.invars[:2])
+def _explicit(eqn: Any, compute: np.dtype) -> bool:
+  """Whether a GEMM's dtypes were chosen by its author (a precision, a mixed or other dtype).
+
+  An f32 operand meeting a compute-dtype one with an f32 result is no choice: it is what
+  ``x @ w`` gives for an f32 activation and a bf16-stored (or bf16-gathered) weight.
+  """
+  lhs_t, rhs_t = (np.dtype(v.aval.dtype) for v in eqn.invars[:2])
   pet = eqn.params.get("preferred_element_type")
+  promoted = {lhs_t, rhs_t} == {compute, _F32} and (pet is None or np.dtype(pet) == _F32)
   return (
     eqn.params.get("precision") is not None
     or eqn.params.get("group_offset") is not None
     or (eqn.primitive.name == "ragged_dot_general" and eqn.params.get("out_sharding") is not None)
-    or (pet is not None and np.dtype(pet) != np.dtype(lhs_t))
-    or lhs_t != rhs_t
+    or (not promoted and pet is not None and np.dtype(pet) != lhs_t)
+    or (not promoted and lhs_t != rhs_t)
     or not _castable(lhs_t)
   )
 
@@ -227,7 +232,7 @@ def _run_class(
   compute: np.dtype,
   fp8: tuple[Fp8Recipe | None, jax.Array | None] = (None, None),
 ) -> list[Any]:
-  if cls == "lower" and not _explicit(eqn):
+  if cls == "lower" and not _explicit(eqn, compute):
     return _lower(ctx, eqn, invals, kinds, compute, fp8)
   if cls in ("lower", "keep"):
     return _bind(eqn, _as_traced(eqn, invals, kinds))
@@ -335,7 +340,7 @@ def _eval_jaxpr(
         elif cls == "fp32" and name in FP16_RANGE and compute != np.dtype(jnp.float16):
           cls = "follow"
         fp8 = (None, None)
-        if cls == "lower" and not _explicit(eqn):
+        if cls == "lower" and not _explicit(eqn, compute):
           invals = [operand(*a, compute) for a in zip(eqn.invars, invals, in_kinds, strict=True)]
           fp8 = _fp8_gemm(ctx, eqn, in_kinds, path, policy)
         outs = _run_class(ctx, eqn, cls, invals, in_kinds, compute, fp8)

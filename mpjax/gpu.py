@@ -350,9 +350,11 @@ def _target_mesh(name: str, axes: tuple[tuple[str, int], ...], nodes: int) -> ja
 def on_target(target: str | GpuTarget, tree: Any) -> Any:
   """Every array leaf of ``tree`` as a ``ShapeDtypeStruct`` placed on a GPU target's device.
 
-  Traced with these, mpjax lowers for that GPU (see :func:`compile_for`).
+  Traced with these, mpjax lowers for that GPU (see :func:`compile_for`). Leaves already placed
+  on a :func:`target_mesh` keep their sharding; the others go replicated on the same mesh.
   """
-  return _on(_mesh(get_target(target).name), tree)
+  target = get_target(target)
+  return _on(_args_mesh(target, tree) or _mesh(target.name), tree, keep=True)
 
 
 def _on(mesh: jax.sharding.Mesh, tree: Any, keep: bool = False) -> Any:

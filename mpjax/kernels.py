@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from mpjax.collectives import CollectiveReport, collective_report
 from mpjax.gpu import GpuTarget, compile_for, describe_gemm_backend, gemm_mode, get_target
 from mpjax.hlo import (
   CompiledGemm,
@@ -79,6 +80,8 @@ class KernelReport:
     argument_bytes: the size of the arguments (the train state and batch).
     gemm_backend: the GEMM mode it was compiled in: ``"default"`` (XLA's
       default, Triton GEMMs on) or ``"cublaslt"`` (Triton GEMMs off).
+    collectives: the program's collectives (:func:`mpjax.collective_report`);
+      their time is not in the estimate, which is one device's kernels.
 
   Example:
     >>> import jax, jax.numpy as jnp, mpjax
@@ -93,6 +96,7 @@ class KernelReport:
   temp_bytes: int
   argument_bytes: int
   gemm_backend: str
+  collectives: CollectiveReport | None = None
 
   @property
   def count(self) -> int:
@@ -346,7 +350,9 @@ def kernel_report(
   target = get_target(target)
   mode = gemm_mode(gemm_backend)
   compiled = compile_for(fn, *args, target=target, gemm_backend=mode, **kwargs)
-  return report_from_hlo(compiled.as_text(), target, compiled.memory_analysis(), mode)
+  report = report_from_hlo(compiled.as_text(), target, compiled.memory_analysis(), mode)
+  # From the compiled program, whose mesh says which node each device is in.
+  return dataclasses.replace(report, collectives=collective_report(compiled, target=target))
 
 
 def report_from_hlo(
@@ -375,7 +381,10 @@ def report_from_hlo(
   kernels = _kernels(comps, entry, gemms)
   temp = int(getattr(memory, "temp_size_in_bytes", 0) or 0)
   arguments = int(getattr(memory, "argument_size_in_bytes", 0) or 0)
-  return KernelReport(get_target(target), tuple(kernels), temp, arguments, gemm_mode(gemm_backend))
+  collectives = collective_report(hlo_text, target=target)
+  return KernelReport(
+    get_target(target), tuple(kernels), temp, arguments, gemm_mode(gemm_backend), collectives
+  )
 
 
 def kernel_table(reports: Mapping[str, KernelReport]) -> str:

@@ -13,9 +13,11 @@ gathers it (:func:`cast_shards`).
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -88,7 +90,17 @@ def _applies(layout: tuple[Any, ...] | None, leaves: list[Any]) -> bool:
   if layout is None or len(layout) != len(leaves):
     return False
   platforms = {platform_kind(d.platform) for s in layout for d in s.device_set}
-  return platforms == {lowering_platform(leaves)}
+  if platforms != {lowering_platform(leaves)}:
+    return False
+  # Where the traced leaves say their mesh (lowered from placed abstract values), it must be
+  # the layout's: a state recorded over 8 devices, lowered for one, keeps XLA's placement.
+  for x, sharding in zip(leaves, layout, strict=True):
+    traced = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
+    names = getattr(traced, "axis_names", ())
+    if names and isinstance(sharding, NamedSharding):
+      if dict(zip(names, traced.axis_sizes, strict=True)) != dict(sharding.mesh.shape):
+        return False
+  return True
 
 
 def constrain_to_layout(tree: Any, layout: tuple[Any, ...] | None) -> Any:
@@ -101,22 +113,45 @@ def constrain_to_layout(tree: Any, layout: tuple[Any, ...] | None) -> Any:
   )
 
 
-def cast_shards(params: Any, layout: tuple[Any, ...] | None, dtype: Any) -> Any:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def _cast_on_shard(x: jax.Array, sharding: Any, dtype: Any, reduce_dtype: Any) -> jax.Array:
+  return lax.with_sharding_constraint(x.astype(dtype), sharding)
+
+
+def _cast_on_shard_fwd(x, sharding, dtype, reduce_dtype):
+  return _cast_on_shard(x, sharding, dtype, reduce_dtype), jnp.zeros((0,), x.dtype)
+
+
+def _cast_on_shard_bwd(sharding, dtype, reduce_dtype, like, g):
+  # The gradient summed onto the shard in reduce_dtype; the barrier keeps XLA from widening it
+  # before the reduce-scatter (it would, to read the f32 master's gradient: twice the bytes).
+  g = lax.with_sharding_constraint(g.astype(reduce_dtype), sharding)
+  return (lax.optimization_barrier(g).astype(like.dtype),)
+
+
+_cast_on_shard.defvjp(_cast_on_shard_fwd, _cast_on_shard_bwd)
+
+
+def cast_shards(
+  params: Any, layout: tuple[Any, ...] | None, dtype: Any, reduce_dtype: Any = None
+) -> Any:
   """Each sharded floating leaf of ``params`` cast to ``dtype`` on its own shard.
 
   The cast is pinned to the leaf's sharding, so whatever gathers the parameter (XLA's
   all-gather for a GEMM over another axis) moves ``dtype``: XLA may otherwise gather the f32
-  shard and convert after (jax#23543). Replicated leaves and a layout that does not apply
-  (see :func:`constrain_to_layout`) leave ``params`` as they are.
+  shard and convert after (jax#23543). Its gradient is summed onto the shard in
+  ``reduce_dtype`` (``None``: ``dtype``), then widened to the leaf's own dtype. Replicated
+  leaves and a layout that does not apply (see :func:`constrain_to_layout`) stay as they are.
   """
   leaves, treedef = jax.tree.flatten(params)
   if not _applies(layout, leaves):
     return params
+  reduce_dtype = dtype if reduce_dtype is None else reduce_dtype
 
   def cast(x: Any, sharding: Any) -> Any:
     replicated = all(axis is None for axis in getattr(sharding, "spec", ()))
     if replicated or not is_floating(x) or x.dtype == dtype:
       return x
-    return lax.with_sharding_constraint(x.astype(dtype), sharding)
+    return _cast_on_shard(x, sharding, dtype, reduce_dtype)
 
   return treedef.unflatten([cast(x, s) for x, s in zip(leaves, layout, strict=True)])

@@ -472,7 +472,7 @@ def _loss_and_grads(
 
   def scaled_loss(params, fp8_scales):
     if gather_dtype is not None:
-      params = cast_shards(params, state.params_layout, gather_dtype)
+      params = cast_shards(params, state.params_layout, gather_dtype, state.policy.reduce_dtype)
     out = run(fp8_scales, params, state.model_state, batch)
     if not (isinstance(out, (tuple, list)) and len(out) == 2):
       raise ValueError(

@@ -87,8 +87,8 @@ def test_a_sharded_step_keeps_every_leafs_layout_and_compiles_once(axes):
   )
 
 
-def _fsdp_step_for_h100(policy, fsdp=8):
-  """An MLP's train step, params sharded over ``fsdp`` H100s, compiled here: its collectives."""
+def _fsdp_parts(policy, fsdp=8):
+  """An MLP's train step, its state and batch sharded over ``fsdp`` H100s (abstract values)."""
   import importlib.metadata
 
   import jax
@@ -118,7 +118,14 @@ def _fsdp_step_for_h100(policy, fsdp=8):
 
   state = jax.tree.map(lambda x: placed(x, P("fsdp") if x.ndim == 2 else P()), state)
   batch = {"x": placed(jnp.ones((64, 256)), P("fsdp"))}
-  step = jax.jit(mpjax.make_train_step(loss_fn))
+  return state.keep_layout(), batch, jax.jit(mpjax.make_train_step(loss_fn))
+
+
+def _fsdp_step_for_h100(policy, fsdp=8):
+  """The step of :func:`_fsdp_parts`, compiled here for ``fsdp`` H100s."""
+  import mpjax
+
+  state, batch, step = _fsdp_parts(policy, fsdp)
   return mpjax.compile_for(step, state, batch, target="h100")
 
 
@@ -195,3 +202,22 @@ def test_the_step_gathers_sharded_params_in_bf16_where_xla_would_gather_f32_jax_
   # each shard to bf16 before it leaves its device: half the bytes, nothing flagged.
   (narrow,) = gathers(state.keep_layout())
   assert narrow.dtype == "bfloat16" and narrow.bytes == 1024 * 1024 * 2 and not narrow.flags
+
+
+def test_the_audit_and_the_kernel_report_of_a_sharded_step_read_its_collectives():
+  import jax
+
+  import mpjax
+
+  compiled_state, batch, step = _fsdp_parts("p=f32,c=bf16,reduce=f32")
+  audited = mpjax.audit(step, compiled_state, batch, target="h100")
+  kinds = {(c.kind, c.dtype) for c in audited.collectives.collectives}
+  # The forward's bf16 all-gathers and the f32 gradient reduce-scatters the policy asks for.
+  assert {("all-gather", "bfloat16"), ("reduce-scatter", "float32")} <= kinds, kinds
+  assert "Collectives" in audited.to_markdown() and "reduce-scatter" in audited.to_markdown()
+  assert audited.to_dict()["collectives"]["total_bytes"] == audited.collectives.total_bytes
+  report = mpjax.kernel_report(step, compiled_state, batch, target="h100")
+  assert report.collectives.total_bytes == audited.collectives.total_bytes
+  # One device's program: the audit of an unsharded step has no collective to read.
+  single = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (compiled_state, batch))
+  assert mpjax.audit(step, *single, target="h100").collectives.collectives == ()
