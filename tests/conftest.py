@@ -33,6 +33,9 @@ SLOW = {
   "tests/test_experiment.py::test_underflow_demo_compare": "trains one run per policy",
   "tests/test_experiment.py::test_data_parallel_over_eight_host_devices": "8 host devices",
   "tests/test_experiment.py::test_two_processes_train": "two processes",
+  "tests/test_experiment.py::test_fsdp_over_eight_devices": "8, then 4 host devices, trains 3x",
+  "tests/test_experiment.py::test_two_processes_shard": "two processes, then one of 8 devices",
+  "tests/test_experiment.py::test_doctor_compiles_the_fsdp_step": "whole-step GPU compiles",
   "tests/test_experiment.py::test_sigterm_to_one_of_two_processes": "two processes",
   "tests/test_experiment.py::test_autoprecision_picks_rules": "diagnoses, then trains",
   "tests/test_experiment.py::test_gradient_health_shows_the_underflow": "trains one run per policy",
@@ -73,6 +76,7 @@ SLOW = {
   "tests/test_rounding.py::test_experiment_resumed_from_a_checkpoint": "trains a config twice",
   "tests/test_rounding.py::test_data_parallel_replicas_round": "8 host devices, two steps x2",
   "tests/test_rounding.py::test_h100_step_of_bf16_sr": "three whole-step GPU compiles",
+  "tests/test_examples.py::test_the_sharding_docs_fsdp_loops": "8 host devices, two trainings",
   # The FSDP mesh runs in the default set; the meshes of two and three axes here.
   "tests/test_sharded.py::test_a_sharded_step_keeps_every_leafs_layout_and_compiles_once[axes1": (
     "8 host devices, five policies"
