@@ -2,6 +2,7 @@
 
     mpjax train                                  # this config
     mpjax train --config.steps=100               # any value overridden
+    mpjax train --config.mesh.fsdp=8             # FSDP over 8 devices (the batch over all)
     mpjax compare default --policies fp32,mixed_bf16,mixed_fp16
 
 The other configs import this one and override only what differs.
@@ -24,7 +25,10 @@ def get_config() -> ml_collections.ConfigDict:
   config.log_every = 20  # steps between metric lines (metrics.jsonl and the progress bar)
   config.eval_every = 200  # steps between test-set evaluations; 0 means only at the end
   config.checkpoint_every = 200  # steps between checkpoints; 0 means only at the end
-  config.num_devices = 0  # data-parallel devices; 0 means all local devices
+  config.num_devices = 0  # devices the mesh spans; 0 means all (of every process)
+  config.mesh = ml_collections.ConfigDict()  # mesh axis sizes; their product is the devices
+  config.mesh.data = 0  # data-parallel axis; 0 means the devices the other axes leave
+  config.mesh.fsdp = 1  # params and optimizer state sharded over this many devices (FSDP)
   config.run_dir = ""  # checkpoints and metrics; "" means runs/<config name>
   config.autocast_rules = "{}"  # autocast rules as a dict literal, e.g. "{'*attn*': 'fp32'}"
   config.autoprecision = False  # before training, pick autocast_rules with mpjax.suggest_rules

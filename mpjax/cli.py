@@ -5,6 +5,8 @@
     mpjax compare digits_mlp --policies fp32,mixed_bf16,mixed_fp16
     mpjax doctor                                  # every GEMM of the default train step
     mpjax doctor --target h100 --compare fp32,mixed_bf16,mixed_fp16   # the H100 program
+    mpjax doctor --target h100 --mesh fsdp=8      # and the collectives of its FSDP step
+    mpjax train --config.mesh.fsdp=8              # FSDP over 8 devices (the batch over all)
     MPJAX_POLICY=mixed_fp16 mpjax train           # switch precision without editing a file
 
 Bad input (an unknown config or key, a value of the wrong type, an invalid
@@ -19,11 +21,12 @@ from __future__ import annotations
 
 import argparse
 import copy
+import math
 import os
 import pathlib
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -32,10 +35,10 @@ import jax
 # below import from it when they run, so that without it a command says what to install.
 from mpjax._extras import MissingExtraError, require_experiments
 from mpjax.policy import POLICY_ENV_VAR
-from mpjax.train_state import init_fp8_state
 
 if TYPE_CHECKING:
   from mpjax.audit import AuditReport
+  from mpjax.collectives import CollectiveReport
 
 __all__ = ["main"]
 
@@ -82,6 +85,13 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="with --target: comma-separated policies for the kernel report (default: the "
         "config's policy and fp32)",
+      )
+      sub.add_argument(
+        "--mesh",
+        default=None,
+        help="with --target: compile the step sharded as a run with this config.mesh shards "
+        "it, over that many GPUs of the target (axis=size pairs, comma-separated, e.g. fsdp=8 "
+        "or data=2,fsdp=8), and report its collectives",
       )
       sub.add_argument(
         "--gemm_backend",
@@ -148,14 +158,111 @@ def _print_summary(summary: dict) -> None:
   )
 
 
-def _step_and_args(config: Any) -> tuple[Any, Any, Any]:
+def _experiment_step_and_args(config: Any) -> tuple[Any, Any, Any, Any]:
   from mpjax.experiment import Experiment
 
   exp = Experiment(config)
   step = exp.make_step()
   batch = exp.put_batch(exp.dataset.batch(0, config.batch_size, config.seed))
   # As a run has it: an FP8 policy's delayed-scaling state made before the first step.
-  return step, init_fp8_state(step, exp.init_state(), batch), batch
+  return exp, step, exp.init_state(step, batch), batch
+
+
+def _step_and_args(config: Any) -> tuple[Any, Any, Any]:
+  return _experiment_step_and_args(config)[1:]
+
+
+def parse_mesh(text: str, config: Any) -> dict[str, int]:
+  """``--mesh fsdp=8`` as the axis sizes of an experiment's mesh, in mesh order.
+
+  Args:
+    text: ``axis=size`` pairs, comma-separated (``"data=2,fsdp=8"``); an axis left out has
+      size 1.
+    config: the config whose batch the mesh splits.
+
+  Returns:
+    Axis name -> size, e.g. ``{"data": 1, "fsdp": 8}``.
+
+  Raises:
+    ConfigError: for a malformed pair, an unknown axis, a size below 1, or a batch size that
+      the devices do not divide.
+  """
+  from mpjax.experiment import ConfigError
+  from mpjax.experiment.sharding import MESH_AXES
+
+  sizes = dict.fromkeys(MESH_AXES, 1)
+  for pair in (p.strip() for p in text.split(",") if p.strip()):
+    axis, _, size = pair.partition("=")
+    axis = axis.strip()
+    if axis not in MESH_AXES:
+      raise ConfigError(
+        f"--mesh {text}: unknown mesh axis {axis!r}; an experiment's mesh has the axes "
+        f"{' and '.join(MESH_AXES)}: write e.g. --mesh fsdp=8 or --mesh data=2,fsdp=8."
+      )
+    if not size.strip().isdigit() or int(size) < 1:
+      raise ConfigError(
+        f"--mesh {text}: {pair!r} needs an integer size >= 1, e.g. --mesh {axis}=8."
+      )
+    sizes[axis] = int(size)
+  devices = math.prod(sizes.values())
+  if config.batch_size % devices:
+    raise ConfigError(
+      f"--mesh {text}: config.batch_size={config.batch_size} is not divisible by the "
+      f"{devices} devices it is split over; use a mesh of a divisor of {config.batch_size} "
+      "devices, or set --config.batch_size."
+    )
+  return sizes
+
+
+def doctor_collectives(
+  config: Any, target: str, axes: Mapping[str, int], gemm_backend: str = "default"
+) -> CollectiveReport:
+  """The collectives of ``config``'s train step sharded over ``axes`` GPUs of ``target``.
+
+  The step is compiled (:func:`mpjax.compile_for`, no GPU needed) on a
+  :func:`mpjax.target_mesh` of ``axes`` as a run with that ``config.mesh``
+  places it: the batch over every device, each parameter as
+  :attr:`mpjax.experiment.Experiment.param_specs` says for that mesh (FSDP),
+  Adam's moments like their params, the rest replicated; the nodes are as few
+  as the target's node size allows.
+
+  Args:
+    config: a loaded config.
+    target: a GPU target name.
+    axes: mesh axis sizes (:func:`parse_mesh`).
+    gemm_backend: the GEMM mode (see :func:`doctor_report`).
+
+  Returns:
+    The :class:`mpjax.CollectiveReport` of the compiled step.
+
+  Raises:
+    ConfigError: for a mesh the model's partitioning or the target's nodes do not fit.
+  """
+  from jax.sharding import NamedSharding
+
+  from mpjax.collectives import collective_report
+  from mpjax.experiment import ConfigError
+  from mpjax.experiment.sharding import BATCH_SPEC, abstract_state, param_specs
+  from mpjax.gpu import compile_for, get_target, target_mesh
+
+  exp, step, state, batch = _experiment_step_and_args(config)
+  devices = math.prod(axes.values())
+  nodes = -(-devices // get_target(target).max_gpus_per_node)
+  try:
+    specs = param_specs(exp.abstract_params(), axes)
+    mesh = target_mesh(target, axes, nodes=nodes)
+  except ValueError as e:
+    raise ConfigError(f"--mesh: {e}") from None
+  batch_sharding = NamedSharding(mesh, BATCH_SPEC)
+  batch = jax.tree.map(
+    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=batch_sharding), batch
+  )
+  compiled = compile_for(
+    step, abstract_state(state, mesh, specs), batch, target=target, gemm_backend=gemm_backend
+  )
+  return collective_report(
+    compiled, target=target, gpus_per_node=devices // nodes, reduce_dtype=exp.policy.reduce_dtype
+  )
 
 
 def doctor_report(
@@ -226,6 +333,12 @@ def _doctor(config: Any, parsed: argparse.Namespace) -> None:
       raise ConfigError(f"--target: {e}") from None
   elif parsed.compare:
     raise ConfigError("--compare needs --target (e.g. --target h100): it compares GPU programs.")
+  elif parsed.mesh:
+    raise ConfigError(
+      "--mesh needs --target (e.g. --target h100 --mesh fsdp=8): it compiles the sharded step "
+      "for that many GPUs."
+    )
+  axes = parse_mesh(parsed.mesh, config) if parsed.mesh else None
   try:
     report = doctor_report(config, target, parsed.gemm_backend)
   except RuntimeError as e:
@@ -242,6 +355,17 @@ def _doctor(config: Any, parsed: argparse.Namespace) -> None:
   print(report)
   if target is None:
     return
+  if axes is not None:
+    try:
+      collectives = doctor_collectives(config, target, axes, parsed.gemm_backend)
+    except RuntimeError as e:
+      raise ConfigError(str(e)) from None
+    shape = " x ".join(f"{axis}={size}" for axis, size in axes.items())
+    print(
+      f"\n**Collectives per train step on {math.prod(axes.values())} x {target}, mesh {shape}** "
+      "(the batch over every device, the params sharded as config.mesh shards them)\n"
+    )
+    print(collectives)
   policies = [p.strip() for p in (parsed.compare or f"fp32,{policy}").split(",") if p.strip()]
   print(f"\n**Kernels per train step on {target}**\n")
   print(

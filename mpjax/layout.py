@@ -18,6 +18,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -27,6 +28,8 @@ from mpjax._dtypes import is_floating
 __all__ = [
   "cast_shards",
   "constrain_to_layout",
+  "fsdp_spec",
+  "like_params",
   "layout_of",
   "mesh_of",
   "normalized_sharding",
@@ -44,8 +47,8 @@ def normalized_sharding(sharding: Any) -> Any:
     >>> from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
     >>> from mpjax.layout import normalized_sharding
     >>> mesh = Mesh(np.array(jax.devices()[:1]), ("fsdp",))
-    >>> normalized_sharding(NamedSharding(mesh, P("fsdp", None))).spec
-    PartitionSpec('fsdp',)
+    >>> tuple(normalized_sharding(NamedSharding(mesh, P("fsdp", None))).spec)
+    ('fsdp',)
   """
   if not isinstance(sharding, NamedSharding):
     return sharding
@@ -113,45 +116,92 @@ def constrain_to_layout(tree: Any, layout: tuple[Any, ...] | None) -> Any:
   )
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
-def _cast_on_shard(x: jax.Array, sharding: Any, dtype: Any, reduce_dtype: Any) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _cast_on_shard(x: jax.Array, sharding: Any, dtype: Any) -> jax.Array:
   return lax.with_sharding_constraint(x.astype(dtype), sharding)
 
 
-def _cast_on_shard_fwd(x, sharding, dtype, reduce_dtype):
-  return _cast_on_shard(x, sharding, dtype, reduce_dtype), jnp.zeros((0,), x.dtype)
+def _cast_on_shard_fwd(x, sharding, dtype):
+  return _cast_on_shard(x, sharding, dtype), jnp.zeros((0,), x.dtype)
 
 
-def _cast_on_shard_bwd(sharding, dtype, reduce_dtype, like, g):
-  # The gradient summed onto the shard in reduce_dtype; the barrier keeps XLA from widening it
-  # before the reduce-scatter (it would, to read the f32 master's gradient: twice the bytes).
-  g = lax.with_sharding_constraint(g.astype(reduce_dtype), sharding)
+def _cast_on_shard_bwd(sharding, dtype, like, g):
+  # The gradient summed onto the shard in the gathered dtype, as the GEMMs wrote it; the barrier
+  # keeps XLA from widening it before the reduce-scatter (it would, to give the f32 master its
+  # gradient: twice the bytes).
+  g = lax.with_sharding_constraint(g.astype(dtype), sharding)
   return (lax.optimization_barrier(g).astype(like.dtype),)
 
 
 _cast_on_shard.defvjp(_cast_on_shard_fwd, _cast_on_shard_bwd)
 
 
-def cast_shards(
-  params: Any, layout: tuple[Any, ...] | None, dtype: Any, reduce_dtype: Any = None
-) -> Any:
+def cast_shards(params: Any, layout: tuple[Any, ...] | None, dtype: Any) -> Any:
   """Each sharded floating leaf of ``params`` cast to ``dtype`` on its own shard.
 
   The cast is pinned to the leaf's sharding, so whatever gathers the parameter (XLA's
   all-gather for a GEMM over another axis) moves ``dtype``: XLA may otherwise gather the f32
-  shard and convert after (jax#23543). Its gradient is summed onto the shard in
-  ``reduce_dtype`` (``None``: ``dtype``), then widened to the leaf's own dtype. Replicated
-  leaves and a layout that does not apply (see :func:`constrain_to_layout`) stay as they are.
+  shard and convert after (jax#23543). Its gradient is summed onto the shard in ``dtype``, then
+  widened to the leaf's own dtype. Replicated leaves and a layout that does not apply (see
+  :func:`constrain_to_layout`) stay as they are.
   """
   leaves, treedef = jax.tree.flatten(params)
   if not _applies(layout, leaves):
     return params
-  reduce_dtype = dtype if reduce_dtype is None else reduce_dtype
 
   def cast(x: Any, sharding: Any) -> Any:
     replicated = all(axis is None for axis in getattr(sharding, "spec", ()))
     if replicated or not is_floating(x) or x.dtype == dtype:
       return x
-    return _cast_on_shard(x, sharding, dtype, reduce_dtype)
+    return _cast_on_shard(x, sharding, dtype)
 
   return treedef.unflatten([cast(x, s) for x, s in zip(leaves, layout, strict=True)])
+
+
+def fsdp_spec(shape: tuple[int, ...], size: int, axis: str = "fsdp") -> PartitionSpec:
+  """The FSDP sharding of an array: its largest dimension that ``size`` divides, over ``axis``.
+
+  The rule nanodo and MaxText use for params without annotations; the first of equal
+  dimensions wins, and an array no dimension of which ``size`` divides (a scalar, a bias of
+  odd width) is replicated.
+
+  Example:
+    >>> from mpjax.layout import fsdp_spec
+    >>> [tuple(fsdp_spec(s, n)) for s, n in [((768, 3072), 8), ((50304, 768), 16), ((3,), 8)]]
+    [(None, 'fsdp'), ('fsdp',), ()]
+  """
+  dims = [d for d in range(len(shape)) if shape[d] % size == 0 and shape[d] >= size]
+  if size <= 1 or not dims:
+    return PartitionSpec()
+  best = max(dims, key=lambda d: (shape[d], -d))
+  return PartitionSpec(*([None] * best), axis)
+
+
+def like_params(tree: Any, params: Any, param_shardings: Any, mesh: jax.sharding.Mesh) -> Any:
+  """A sharding for every leaf of ``tree`` (a train state): where its params go, the rest with them.
+
+  A leaf whose path ends with a param's path and has its shape (the param itself, Adam's ``mu``
+  and ``nu``, a Kahan buffer) is sharded like that param; every other leaf (scalars, keys, FP8
+  histories) is replicated on ``mesh``. All normalized (see :func:`normalized_sharding`).
+
+  Args:
+    tree: the tree to place, e.g. a :class:`mpjax.TrainState` (values not read).
+    params: the params inside it (``tree.params``).
+    param_shardings: a sharding per leaf of ``params``, of its structure.
+    mesh: the mesh the rest is replicated on.
+  """
+  leaves = jax.tree_util.tree_leaves_with_path(params)
+  by_path = {
+    jax.tree_util.keystr(path): (tuple(np.shape(x)), sharding)
+    for (path, x), sharding in zip(leaves, jax.tree.leaves(param_shardings), strict=True)
+  }
+  replicated = NamedSharding(mesh, PartitionSpec())
+
+  def where(path: tuple, x: Any) -> Any:
+    key = jax.tree_util.keystr(path)
+    for suffix, (shape, sharding) in by_path.items():
+      if key.endswith(suffix) and shape == tuple(np.shape(x)):
+        return normalized_sharding(sharding)
+    return replicated
+
+  return jax.tree_util.tree_map_with_path(where, tree)

@@ -10,11 +10,11 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import struct
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding
 
 from mpjax._dtypes import cast_floating, is_floating
 from mpjax.fp8 import Fp8State
-from mpjax.layout import layout_of, mesh_of, normalized_sharding
+from mpjax.layout import layout_of, like_params, mesh_of, normalized_sharding
 from mpjax.loss_scale import DynamicLossScale, LossScale, NoOpLossScale
 from mpjax.policy import Policy, get_policy
 from mpjax.rounding import init_opt_state
@@ -237,33 +237,22 @@ def _place_on_params_mesh(state: TrainState) -> TrainState:
 
   What :meth:`TrainState.create` makes beside the params goes on the params' mesh: an optimizer
   leaf of a param's path and shape (Adam's ``mu`` and ``nu``, a Kahan buffer) sharded like that
-  param, everything else (scalars, keys, FP8 histories, model state not placed yet) replicated.
-  Params on one device leave the state as it is.
+  param, everything else (scalars, keys, FP8 histories, model state not placed yet) replicated
+  (:func:`mpjax.layout.like_params`). Params on one device leave the state as it is.
   """
   mesh = mesh_of(state.params)
   if mesh is None:
     return state
-  by_path = {
-    jax.tree_util.keystr(path): (x.shape, x.sharding)
-    for path, x in jax.tree_util.tree_leaves_with_path(state.params)
-  }
-  replicated = NamedSharding(mesh, PartitionSpec())
+  param_shardings = jax.tree.map(lambda x: x.sharding, state.params)
+  planned = like_params(state, state.params, param_shardings, mesh)
 
-  def where(path: tuple, x: Any) -> jax.sharding.Sharding:
-    sharding = getattr(x, "sharding", None)
-    if isinstance(sharding, NamedSharding) and sharding.mesh == mesh:
-      return sharding  # the params, and whatever the caller placed already
-    key = jax.tree_util.keystr(path)
-    for suffix, (shape, param_sharding) in by_path.items():
-      if key.endswith(suffix) and shape == x.shape:
-        return param_sharding
-    return replicated
+  def place(x: Any, sharding: Any) -> Any:
+    own = getattr(x, "sharding", None)
+    if isinstance(own, NamedSharding) and own.mesh == mesh:  # what the caller placed already
+      sharding = normalized_sharding(own)
+    return x if own == sharding else jax.device_put(x, sharding)
 
-  def place(path: tuple, x: Any) -> Any:
-    sharding = normalized_sharding(where(path, x))
-    return x if getattr(x, "sharding", None) == sharding else jax.device_put(x, sharding)
-
-  return jax.tree_util.tree_map_with_path(place, state).keep_layout()
+  return jax.tree.map(place, state, planned).keep_layout()
 
 
 def init_fp8_state(

@@ -421,9 +421,13 @@ def _gather_dtype(policy: Policy, autocasts: bool) -> Any:
   ``jit`` (under ``shard_map`` or ``pmap`` each device holds whole params: nothing gathers);
   f32 means no cast. Not by default for fp16, whose weight gradients the GEMMs write in the
   weight's dtype (f32 for a master, for range: an fp16 weight's loss-scaled gradient would
-  overflow), nor under FP8, whose recipe plans its GEMMs on the f32 masters.
+  overflow), nor under FP8, whose recipe plans its GEMMs on the f32 masters, nor with a
+  ``reduce_dtype`` wider than the gather dtype: a GEMM's gradient takes its operand's dtype,
+  and XLA may sum it after that rounding (the gather is then XLA's to place).
   """
   if not autocasts or policy.fp8 is not None:
+    return None
+  if policy.reduce_dtype is not None and policy.reduce_dtype.itemsize > 2:
     return None
   dtype = policy.gather_dtype
   if dtype is None and policy.compute_dtype == jnp.bfloat16:
@@ -472,7 +476,7 @@ def _loss_and_grads(
 
   def scaled_loss(params, fp8_scales):
     if gather_dtype is not None:
-      params = cast_shards(params, state.params_layout, gather_dtype, state.policy.reduce_dtype)
+      params = cast_shards(params, state.params_layout, gather_dtype)
     out = run(fp8_scales, params, state.model_state, batch)
     if not (isinstance(out, (tuple, list)) and len(out) == 2):
       raise ValueError(

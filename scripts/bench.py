@@ -79,6 +79,8 @@ import jmp
 import numpy as np
 import optax
 from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import mpjax
 from mpjax.audit import audit_jaxpr
@@ -235,6 +237,8 @@ def _workload(
   seq, batch_size = (16, 2) if small else (256, 4)
   if name in ("gpt2", "gpt2_fused") and not small:  # GPT-2 small; its vocabulary padded to 64
     dims, seq, batch_size = dict(vocab=50304, d_model=768, heads=12, mlp=3072, layers=12), 1024, 8
+  if name == "1b" and not small:  # a 1B-parameter LM (16 layers, d2048), FSDP's scale
+    dims, seq, batch_size = dict(vocab=50304, d_model=2048, heads=16, mlp=8192, layers=16), 1024, 16
   if name == "gpt2_fused":  # its attention fused (GPU targets, or interpreted)
     dims = dict(dims, attention="fused", heads=2 if small else 12)  # Triton: head_dim >= 16
   tokens = jax.random.randint(key, (batch_size, seq + 1), 0, dims["vocab"])
@@ -507,6 +511,137 @@ def gpu_compile(
   return reports
 
 
+# The policies a sharded run compares (label -> policy), beside plain fp32 and Flax's bf16 peer.
+SHARDED_POLICIES = {
+  "mpjax fp32": "fp32",
+  "mpjax mixed_bf16": "mixed_bf16",
+  "mpjax mixed_bf16 reduce=f32": "p=f32,c=bf16,o=f32,reduce=f32",
+  "mpjax mixed_fp16": "mixed_fp16",
+  "mpjax mixed_fp8": "mixed_fp8",
+  "mpjax bf16_sr": "bf16_sr",
+}
+
+
+def parse_mesh(text: str) -> dict[str, int]:
+  """``"data=2,fsdp=8"`` as ``{"data": 2, "fsdp": 8}``."""
+  axes = {}
+  for part in text.split(","):
+    name, sep, size = part.partition("=")
+    if not sep or not size.strip().isdigit() or int(size) < 1:
+      raise ValueError(f"--mesh {text!r}: each axis is name=size, e.g. --mesh data=2,fsdp=8")
+    axes[name.strip()] = int(size)
+  return axes
+
+
+def sharded_compile(
+  name: str, target: str, axes: dict[str, int], nodes: int = 1, small: bool = False
+) -> dict[str, dict[str, Any]]:
+  """Each variant's step compiled for a mesh of GPUs here: its collectives and state bytes.
+
+  Every leaf of the state is sharded over ``fsdp`` on its largest dimension the axis divides
+  (:func:`mpjax.layout.fsdp_spec`), the batch over every axis; mpjax's states record that
+  layout (``keep_layout``), so the step keeps it and casts shards before gathering them.
+  """
+  from mpjax.collectives import collective_report
+  from mpjax.layout import fsdp_spec
+
+  make_model, batch, loss, _ = _workload(name, small)
+  mesh = mpjax.target_mesh(target, axes, nodes=nodes)
+  n = mesh.size
+  batch = {  # the batch rounded up to a multiple of the devices
+    k: jnp.tile(v, (-(-v.shape[0] // n * n) // v.shape[0],) + (1,) * (v.ndim - 1))[
+      : max(n, -(-v.shape[0] // n) * n)
+    ]
+    for k, v in batch.items()
+  }
+
+  def placed(x: Any, spec: Any) -> Any:
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec))
+
+  fsdp = axes.get("fsdp", 1)
+  on_mesh = {k: placed(v, P(tuple(axes))) for k, v in batch.items()}
+  peers, _ = _variants(name, small, keras=False)
+  steps = {label: peers[label] for label in ("plain fp32", "flax dtype=bf16")}
+  f32_model = make_model(None)
+  params = jax.eval_shape(f32_model.init, jax.random.key(2), batch["x"])
+
+  def loss_of(params, batch):
+    return loss(f32_model.apply(params, batch["x"]), batch)
+
+  for label, policy in SHARDED_POLICIES.items():
+    step = jax.jit(mpjax.make_train_step(loss_of), donate_argnums=0)
+
+    def init(policy=policy, step=step):
+      state = mpjax.TrainState.create(
+        apply_fn=f32_model.apply, params=params, tx=optax.adam(1e-4), policy=policy
+      )
+      return mpjax.init_fp8_state(step, state, batch)
+
+    steps[label] = (step, init)
+  results = {}
+  for label, (step, init, *_) in steps.items():
+    state = jax.tree.map(lambda x: placed(x, fsdp_spec(x.shape, fsdp)), jax.eval_shape(init))
+    if isinstance(state, mpjax.TrainState):
+      state = state.keep_layout()
+    compiled = mpjax.compile_for(step, state, on_mesh, target=target)
+    report = collective_report(compiled, target=target)
+    by_kind = report.bytes_by_kind
+    state_bytes = sum(
+      np.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(state)
+    )
+    results[label] = {
+      "all_gather_bytes": by_kind.get("all-gather", 0),
+      "reduce_bytes": by_kind.get("reduce-scatter", 0) + by_kind.get("all-reduce", 0),
+      "collective_bytes": report.total_bytes,
+      "collective_seconds": report.seconds,
+      "bytes_by_dtype": dict(report.bytes_by_dtype),
+      "reduce_bytes_by_dtype": _reduce_bytes_by_dtype(report),
+      "flagged": len(report.flagged),
+      "state_bytes_per_device": int(state_bytes),
+    }
+  base, peer = results["mpjax fp32"], results["flax dtype=bf16"]
+  for r in results.values():
+    for key in ("all_gather_bytes", "reduce_bytes", "collective_bytes", "state_bytes_per_device"):
+      r[f"{key}_vs_fp32"] = r[key] / base[key] if base[key] else None
+      r[f"{key}_vs_flax_bf16"] = r[key] / peer[key] if peer[key] else None
+  return results
+
+
+def _reduce_bytes_by_dtype(report: Any) -> dict[str, int]:
+  """Bytes of the reduce-scatters and all-reduces (the gradients' sums), by dtype."""
+  found: dict[str, int] = {}
+  for c in report.collectives:
+    if c.kind in ("reduce-scatter", "all-reduce"):
+      for dtype, nbytes in c.dtypes.items():
+        found[dtype] = found.get(dtype, 0) + nbytes * c.count
+  return found
+
+
+def sharded_table(name: str, where: str, results: dict[str, dict[str, Any]]) -> str:
+  """One markdown table of :func:`sharded_compile`'s figures, ratios to mpjax fp32's."""
+
+  def ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}x"
+
+  lines = [
+    f"**{name} on {where}**",
+    "",
+    "| variant | all-gather MB | vs fp32 | reduce MB | vs fp32 | all collectives MB | vs fp32 "
+    "| vs Flax bf16 | est. comm ms | state MB/device | vs fp32 | flagged |",
+    "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+  ]
+  for label, r in results.items():
+    lines.append(
+      f"| {label} | {r['all_gather_bytes'] / 1e6:.1f} | {ratio(r['all_gather_bytes_vs_fp32'])} "
+      f"| {r['reduce_bytes'] / 1e6:.1f} | {ratio(r['reduce_bytes_vs_fp32'])} "
+      f"| {r['collective_bytes'] / 1e6:.1f} | {ratio(r['collective_bytes_vs_fp32'])} "
+      f"| {ratio(r['collective_bytes_vs_flax_bf16'])} | {1e3 * r['collective_seconds']:.2f} "
+      f"| {r['state_bytes_per_device'] / 1e6:.1f} | {ratio(r['state_bytes_per_device_vs_fp32'])} "
+      f"| {r['flagged']} |"
+    )
+  return "\n".join(lines)
+
+
 def fp8_against_bf16(reports: dict[str, Any]) -> str:
   """How the FP8 step compares with the bf16 one on the target: kernels, bytes, estimated time."""
   fp8, bf16 = reports["mpjax mixed_fp8 autocast"], reports["mpjax mixed_bf16 autocast"]
@@ -688,6 +823,12 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, dict[str, float]]
     "GEMM fusions on); 'cublaslt' turns Triton GEMMs off; 'triton' is 'default' (default: "
     "%(default)s)",
   )
+  parser.add_argument(
+    "--mesh",
+    help="with --target: compile each variant for a mesh of GPUs, e.g. fsdp=8 or data=2,fsdp=8 "
+    "(FSDP over 'fsdp'), and print its collective bytes, time and state bytes per device",
+  )
+  parser.add_argument("--nodes", type=int, default=1, help="with --mesh: nodes (GPUs per node: 8)")
   parser.add_argument("--json", help="write every figure and the markdown tables to this file")
   args = parser.parse_args(argv)
   command = " ".join(["python scripts/bench.py", *(sys.argv[1:] if argv is None else argv)])
@@ -696,6 +837,21 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, dict[str, float]]
       "--models gpt2_fused needs --target (e.g. --target h100): its attention is a Pallas "
       "Triton kernel, which runs on NVIDIA GPUs, not here"
     )
+  if args.mesh and not args.target:
+    parser.error("--mesh needs --target (e.g. --target h100 --mesh fsdp=8)")
+  if args.mesh:
+    axes, record, tables = parse_mesh(args.mesh), {}, []
+    where = f"{args.nodes} node(s) of {args.target}, mesh {args.mesh}"
+    for name in args.models.split(","):
+      record[name] = sharded_compile(name, args.target, axes, args.nodes, args.small)
+      tables.append(sharded_table(name, where, record[name]))
+      print(tables[-1], end="\n\n", flush=True)
+    if args.json:
+      with open(args.json, "w") as f:
+        compiled = compile_record(args.target, args.gemm_backend)
+        saved = {"command": command, **compiled, "mesh": axes, "nodes": args.nodes}
+        json.dump({**saved, "results": record, "markdown": "\n\n".join(tables)}, f, indent=2)
+    return record
   if args.target:
     from mpjax.gpu import describe_gemm_backend
     from mpjax.kernels import kernel_table

@@ -301,3 +301,43 @@ def test_the_sharding_docs_fsdp_loops_train_on_8_devices_and_read_their_h100_col
     proc.stdout[-3000:] + proc.stderr[-4000:]
   )
   assert "P('fsdp',)" in proc.stdout  # the kernels stayed sharded
+
+
+def test_bench_script_compiles_every_policy_for_a_mesh_of_gpus_and_reads_its_collectives(
+  tmp_path, capsys
+):
+  import json
+
+  import mpjax.gpu
+
+  try:
+    importlib.metadata.version(mpjax.gpu.PLUGIN)
+  except importlib.metadata.PackageNotFoundError:
+    pytest.skip(f"needs XLA's CUDA compiler plugin ({mpjax.gpu.PLUGIN})")
+  out = tmp_path / "sharded.json"
+  argv = ["--target", "h100", "--mesh", "fsdp=8", "--models", "mlp", "--small", "--json", str(out)]
+  results = _script("bench").main(argv)["mlp"]
+  record = json.loads(out.read_text())
+  assert record["mesh"] == {"fsdp": 8} and record["command"].endswith("--json " + str(out))
+  assert record["jax"] == jax.__version__ and "| mpjax mixed_bf16 |" in record["markdown"]
+  assert set(results) == {"plain fp32", "flax dtype=bf16", *_script("bench").SHARDED_POLICIES}
+  bf16, f32 = results["mpjax mixed_bf16"], results["mpjax fp32"]
+  # The premise: fp32 gathers and reduces f32 across the 8 devices.
+  assert f32["all_gather_bytes"] > 0 and f32["reduce_bytes"] > 0
+  assert set(f32["bytes_by_dtype"]) == {"float32"}
+  # mixed_bf16 gathers the weights in bf16 (half the bytes) and reduces in bf16; reduce=f32
+  # reduces in f32; bf16_sr stores half fp32's state per device.
+  assert bf16["all_gather_bytes_vs_fp32"] <= 0.52 and bf16["reduce_bytes_vs_fp32"] <= 0.55
+  reduce_f32 = results["mpjax mixed_bf16 reduce=f32"]
+  assert reduce_f32["all_gather_bytes_vs_fp32"] <= 0.6  # XLA's placement: mostly bf16
+  assert reduce_f32["reduce_bytes"] > bf16["reduce_bytes"]
+  # reduce=f32 sums the weights' gradients in f32, which mixed_bf16 sums in bf16 (a bias's
+  # gradient, a sum over the batch, is f32 in both). At these tiny shapes the head's 32 x 8
+  # kernel is sharded on its contracting dimension, and XLA still sums one activation gradient
+  # in bf16 under reduce=f32 (tests/test_sharded.py holds every reduction of a weight to f32).
+  f32_sums, bf16_sums = reduce_f32["reduce_bytes_by_dtype"], bf16["reduce_bytes_by_dtype"]
+  assert f32_sums["float32"] > bf16_sums["float32"]
+  assert f32_sums.get("bfloat16", 0) < bf16_sums["bfloat16"]
+  assert results["mpjax bf16_sr"]["state_bytes_per_device_vs_fp32"] <= 0.7  # scalars aside, 0.5
+  assert all(r["flagged"] == 0 for label, r in results.items() if "mixed_bf16" in label)
+  assert "| mpjax bf16_sr |" in capsys.readouterr().out

@@ -1,6 +1,8 @@
 """Experiments from configs and the ``mpjax`` command line, run as a user runs them."""
 
+import importlib.metadata
 import json
+import math
 import os
 import re
 import signal
@@ -11,13 +13,21 @@ import time
 from pathlib import Path
 
 import chex
+import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 import pytest
+from jax.sharding import PartitionSpec as P
 
+import mpjax.collectives
+import mpjax.gpu
 from mpjax import cli, models
 from mpjax import experiment as ex
+from mpjax.experiment.config import mesh_shape
 from mpjax.experiment.metrics import read_health
+from mpjax.experiment.sharding import param_specs
+from mpjax.layout import fsdp_spec
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = sorted(p.stem for p in (ROOT / "configs").glob("*.py"))
@@ -65,6 +75,13 @@ def test_overrides_keep_types_and_nested_keys():
     (["train", "--config.autocast_rules={'tanh': 'fp31'}"], "config.autocast_rules"),
     (["train", "--config.health_every=-1"], "config.health_every"),
     (["diagnose", "digits_mlp", "--step", "-1"], "--step=-1"),
+    (["train", "--config.mesh.fsdp=3"], "config.mesh.fsdp=3 does not divide the 1 devices"),
+    (["train", "--config.mesh.data=2"], "holds 2 devices, but this run uses 1"),
+    (["train", "--config.mesh.fsdp=0"], "config.mesh.fsdp=0 must be an integer >= 1"),
+    (["train", "--config.mesh.tensor=2"], "unknown mesh axis 'tensor'"),
+    (["doctor", "digits_mlp", "--mesh", "fsdp=8"], "--mesh needs --target"),
+    (["doctor", "digits_mlp", "--target", "h100", "--mesh", "tensor=2"], "unknown mesh axis"),
+    (["doctor", "digits_mlp", "--target", "h100", "--mesh", "fsdp=7"], "not divisible by the 7"),
   ],
 )
 def test_bad_input_is_one_line_and_exit_status_2(argv, message, capsys):
@@ -108,6 +125,76 @@ def test_unwritable_run_dir_is_one_line_and_exit_status_2(tmp_path, capsys):
   assert cli.main(["train", "digits_mlp", "--run_dir", str(blocker / "run")]) == 2
   err = capsys.readouterr().err.strip()
   assert "is not writable" in err and "\n" not in err
+
+
+def test_a_mesh_must_use_every_device_and_name_only_data_and_fsdp(tmp_path):
+  def sizes(devices, **mesh):
+    config = ex.load_config("default")
+    config.mesh.update(mesh)
+    return mesh_shape(config, devices)
+
+  assert sizes(8) == {"data": 8, "fsdp": 1}  # the default: data parallel over every device
+  assert sizes(8, fsdp=8) == {"data": 1, "fsdp": 8}
+  assert sizes(8, data=2, fsdp=4) == {"data": 2, "fsdp": 4}
+  with pytest.raises(
+    ex.ConfigError, match=r"data=4 x fsdp=4 holds 16 devices, but this run uses 8"
+  ):
+    sizes(8, data=4, fsdp=4)
+  with pytest.raises(ex.ConfigError, match=r"or set config.num_devices=4\."):
+    sizes(8, data=2, fsdp=2)  # fewer devices than the run has: num_devices says how many
+  with pytest.raises(ex.ConfigError, match="config.mesh.fsdp=3 does not divide the 8 devices"):
+    sizes(8, fsdp=3)
+  # An axis in the config file itself (not an override) is refused at load, with the fix.
+  config_file = tmp_path / "tensor_parallel.py"
+  config_file.write_text(
+    "from configs import default\n\n\n"
+    "def get_config():\n"
+    "  config = default.get_config()\n"
+    "  config.mesh.tensor = 2\n"
+    "  return config\n"
+  )
+  (tmp_path / "configs").mkdir()
+  (tmp_path / "configs" / "default.py").write_text((ROOT / "configs" / "default.py").read_text())
+  moved = tmp_path / "configs" / "tensor_parallel.py"
+  config_file.rename(moved)
+  with pytest.raises(ex.ConfigError, match=r"config.mesh: unknown mesh axis 'tensor'.*remove it"):
+    ex.load_config(str(moved))
+
+
+def test_fsdp_shards_each_param_on_its_largest_dimension_the_axis_divides():
+  assert fsdp_spec((64, 256), 8) == P(None, "fsdp")
+  assert fsdp_spec((256, 256), 8) == P("fsdp")  # a tie: the first
+  assert fsdp_spec((12, 24, 8), 4) == P(None, "fsdp")
+  assert fsdp_spec((10, 3), 4) == P()  # none divides: replicated
+  assert fsdp_spec((64, 256), 1) == P()
+  params = {"dense": {"kernel": jnp.ones((64, 256)), "bias": jnp.ones(256)}, "head": jnp.ones(10)}
+  assert param_specs(params, {"data": 2, "fsdp": 4}) == {
+    "dense": {"kernel": P(None, "fsdp"), "bias": P("fsdp")},
+    "head": P(),
+  }
+
+
+class _Annotated(nn.Module):
+  """A model that says where its params go (MaxText's style), over axes a mesh may not have."""
+
+  @nn.compact
+  def __call__(self, x):
+    init = nn.initializers.lecun_normal()
+    x = nn.Dense(64, kernel_init=nn.with_partitioning(init, (None, "fsdp")))(x)
+    x = nn.Dense(64, kernel_init=nn.with_partitioning(init, ("fsdp", "tensor")))(x)
+    return nn.Dense(16, kernel_init=nn.with_partitioning(init, (("data", "fsdp"), None)))(x)
+
+
+def test_partitioning_metadata_decides_where_params_go():
+  boxed = jax.eval_shape(_Annotated().init, jax.random.key(0), jnp.ones((2, 32)))["params"]
+  specs = param_specs(boxed, {"data": 2, "fsdp": 4})
+  assert specs["Dense_0"] == {"kernel": P(None, "fsdp"), "bias": P()}  # unannotated: replicated
+  assert specs["Dense_1"]["kernel"] == P("fsdp")  # "tensor" is not a mesh axis: whole
+  assert specs["Dense_2"]["kernel"] == P(("data", "fsdp"))
+  # An axis of size 1 shards nothing; a dimension its axes do not divide is refused.
+  assert param_specs(boxed, {"data": 1, "fsdp": 4})["Dense_2"]["kernel"] == P("fsdp")
+  with pytest.raises(ValueError, match=r"\['Dense_2'\]\['kernel'\].*not divisible by data x fsdp"):
+    param_specs(boxed, {"data": 3, "fsdp": 4})
 
 
 def test_resuming_with_a_different_config_is_refused(tmp_path):
@@ -415,6 +502,161 @@ def test_two_processes_train_as_one_run_of_their_devices(tmp_path):
   assert len((tmp_path / "two" / "metrics.jsonl").read_text().splitlines()) == 3
   for key in ("loss", "test_loss", "test_accuracy"):
     assert two[key] == pytest.approx(four[key], rel=1e-5), key
+
+
+# ------------------------------------------------------------------ sharded (FSDP) runs
+
+# The default config (the char-level LM, mixed_bf16) on less of its corpus, checkpointed at 3.
+_SHARDED = ["eval_every=0", "log_every=3", "checkpoint_every=3", "data.max_chars=200000"]
+
+# On 8 host devices: FSDP over all 8, and data parallel over all 8, for 6 steps each.
+_FSDP_ON_EIGHT = """
+import json, sys, jax, numpy as np, orbax.checkpoint as ocp, flax.linen as nn
+import mpjax.experiment as ex
+
+run_dir, overrides = sys.argv[1], json.loads(sys.argv[2])
+out = {}
+try:  # 12 examples do not split over 8 devices
+  ex.load_config("default", [*overrides, "mesh.fsdp=8", "batch_size=12"])
+except ex.ConfigError as e:
+  out["batch_error"] = str(e)
+for name, mesh in (("fsdp", ["mesh.fsdp=8"]), ("data", ["mesh.data=8"])):
+  config = ex.load_config("default", [*overrides, "steps=6", *mesh])
+  out[name] = ex.train(config, run_dir=f"{run_dir}/{name}")
+
+def where(tree):
+  return {jax.tree_util.keystr(p): list(x.sharding.spec) for p, x in
+          jax.tree_util.tree_leaves_with_path(tree)}
+
+# The FSDP run's checkpoint of step 6, restored onto its mesh.
+exp = ex.Experiment(ex.load_config("default", [*overrides, "steps=6", "mesh.fsdp=8"]))
+target = jax.tree.map(ocp.utils.to_shape_dtype_struct, exp.init_state())
+with ocp.CheckpointManager(f"{run_dir}/fsdp/checkpoints") as manager:
+  state = manager.restore(6, args=ocp.args.StandardRestore(target))
+kernel = state.params["params"]["block_0"]["mlp_in"]["kernel"]
+out["params"], out["opt_state"] = where(state.params), where(state.opt_state)
+out["kernel_shard"] = kernel.addressable_shards[0].data.shape
+out["sums"] = {k: float(np.sum(np.asarray(x, np.float64))) for k, x in
+               zip(out["params"], jax.tree.leaves(state.params))}
+print(json.dumps(out))
+"""
+
+# On 4 host devices: the FSDP run's checkpoint onto a mesh of 4, then `mpjax train` resumes it.
+_RESUME_ON_FOUR = """
+import json, sys, jax, numpy as np, orbax.checkpoint as ocp
+import mpjax.experiment as ex
+from mpjax import cli
+
+run_dir, overrides = sys.argv[1], json.loads(sys.argv[2])
+exp = ex.Experiment(ex.load_config("default", [*overrides, "steps=9", "mesh.fsdp=4"]))
+target = jax.tree.map(ocp.utils.to_shape_dtype_struct, exp.init_state())
+with ocp.CheckpointManager(f"{run_dir}/fsdp/checkpoints") as manager:
+  state = manager.restore(6, args=ocp.args.StandardRestore(target))
+kernel = state.params["params"]["block_0"]["mlp_in"]["kernel"]
+sums = {jax.tree_util.keystr(p): float(np.sum(np.asarray(x, np.float64))) for p, x in
+        jax.tree_util.tree_leaves_with_path(state.params)}
+argv = ["train", "default", "--run_dir", f"{run_dir}/fsdp", "--no_progress"]
+argv += [f"--config.{o}" for o in [*overrides, "steps=9", "mesh.fsdp=4"]]
+code = cli.main(argv)
+print(json.dumps({"code": code, "devices": len(jax.devices()), "sums": sums,
+                  "kernel": list(kernel.sharding.spec),
+                  "kernel_shard": kernel.addressable_shards[0].data.shape}))
+"""
+
+
+def _on_host_devices(count, code, *args):
+  env = {k: v for k, v in os.environ.items() if k != "MPJAX_POLICY"}
+  env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={count}", JAX_PLATFORMS="cpu")
+  proc = subprocess.run(
+    [sys.executable, "-c", code, *map(str, args)],
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=600,
+    cwd=ROOT,
+  )
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr
+
+
+def test_fsdp_over_eight_devices_trains_as_data_parallel_and_resumes_on_four(tmp_path):
+  """`config.mesh.fsdp=8` shards params and Adam's moments; the run resumes with fsdp=4."""
+  eight, _ = _on_host_devices(8, _FSDP_ON_EIGHT, tmp_path, json.dumps(_SHARDED))
+  assert "config.batch_size=12 is not divisible by the 8 devices" in eight["batch_error"]
+  fsdp, data = eight["fsdp"], eight["data"]
+  assert fsdp["mesh"] == {"data": 1, "fsdp": 8} and data["mesh"] == {"data": 8, "fsdp": 1}
+  assert fsdp["steps"] == data["steps"] == 6
+  # Each param on its largest dimension that 8 divides: (d_model, d_ff) on d_ff, a LayerNorm
+  # scale on its only one; the moments like their params.
+  params = eight["params"]
+  assert params["['params']['block_0']['mlp_in']['kernel']"] == [None, "fsdp"]
+  assert params["['params']['block_0']['mlp_out']['kernel']"] == ["fsdp"]
+  assert params["['params']['ln_f']['scale']"] == ["fsdp"]
+  assert eight["kernel_shard"] == [128, 512 // 8]
+  moments = {k: v for k, v in eight["opt_state"].items() if ".mu[" in k or ".nu[" in k}
+  assert len(moments) == 2 * len(params)
+  assert all(v == params[k[k.index("['params']") :]] for k, v in moments.items()), moments
+  # The same global batches and the same math as data parallelism: only the sums run in
+  # another order (bf16 GEMMs, partial sums over other devices), so the figures agree to
+  # float reassociation, not bit for bit (measured: 1e-4 relative on the loss).
+  for key in ("loss", "test_loss", "test_accuracy"):
+    assert math.isfinite(fsdp[key]) and fsdp[key] == pytest.approx(data[key], rel=2e-3), key
+
+  four, err = _on_host_devices(4, _RESUME_ON_FOUR, tmp_path, json.dumps(_SHARDED))
+  # The checkpoint of 8 shards comes back whole onto 4, each param on the same dimension.
+  assert four["sums"] == eight["sums"]
+  assert four["kernel"] == [None, "fsdp"] and four["kernel_shard"] == [128, 128]
+  assert four["code"] == 0 and four["devices"] == 4, err[-3000:]
+  run = tmp_path / "fsdp"
+  assert f"mpjax: resuming {run} from step 6 of 9 (checkpoint of step 6)." in err
+  summary = json.loads((run / "summary.json").read_text())
+  assert summary["steps"] == 9 and summary["mesh"] == {"data": 1, "fsdp": 4}
+  assert summary["skipped_steps"] == 0 and math.isfinite(summary["loss"])
+  logged = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+  assert logged == [3, 6, 6, 9, 9]  # train logs, then evaluations, of both runs
+  with ocp.CheckpointManager(run / "checkpoints") as manager:
+    assert manager.latest_step() == 9
+
+
+def test_two_processes_shard_as_one_process_of_their_devices(tmp_path):
+  """FSDP over 2 processes x 4 devices = over 1 process x 8; each process writes its shards."""
+  args = ["train", "digits_mlp", "--config.steps=12", "--config.log_every=6", "--no_progress"]
+  args += ["--config.checkpoint_every=6", "--config.mesh.fsdp=8"]
+  codes, err = _finish(_two_processes(args, tmp_path / "two", devices_each=4))
+  assert codes == [0, 0], err
+  env = {k: v for k, v in os.environ.items() if k != "MPJAX_POLICY"}
+  env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
+  command = [sys.executable, "-m", "mpjax.cli", *args, "--run_dir", str(tmp_path / "one")]
+  proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  two, one = (json.loads((tmp_path / d / "summary.json").read_text()) for d in ("two", "one"))
+  assert two["mesh"] == one["mesh"] == {"data": 1, "fsdp": 8}
+  for key in ("loss", "test_loss", "test_accuracy"):
+    assert two[key] == pytest.approx(one[key], rel=1e-5), key
+  # orbax wrote each process's shards apart (its OCDBT store per process).
+  written = {p.name for p in (tmp_path / "two" / "checkpoints" / "12").rglob("*process_*")}
+  assert {"ocdbt.process_0", "ocdbt.process_1"} <= written, written
+
+
+def test_doctor_compiles_the_fsdp_step_for_h100_and_reports_its_collectives(capsys):
+  try:
+    importlib.metadata.version(mpjax.gpu.PLUGIN)
+  except importlib.metadata.PackageNotFoundError:
+    pytest.skip(f"needs XLA's CUDA compiler plugin ({mpjax.gpu.PLUGIN}) at jaxlib's version")
+  argv = ["doctor", "digits_mlp", "--target", "h100", "--mesh", "data=2,fsdp=4"]
+  assert cli.main([*argv, "--compare", "mixed_bf16"]) == 0
+  out = capsys.readouterr().out
+  header = "**Collectives per train step on 8 x h100, mesh data=2 x fsdp=4**"
+  # After the audit of the one-GPU step, before the kernel report.
+  assert out.index("**Kernels per train step") > out.index(header) > out.index("Train step of")
+  table = out.split(header)[1].split("**Kernels")[0].strip().splitlines()[1:]  # past the header
+  table = [line for line in table if line.strip()]
+  assert table[0].split()[:4] == ["kind", "dtype", "MB", "group"]
+  rows = [line.split() for line in table[1:]]
+  groups = {(row[0], int(row[3])) for row in rows if row[0] in mpjax.collectives.KINDS}
+  # The params gathered and their gradients reduce-scattered within each fsdp group of 4;
+  # gradients summed over the data axis, in groups of 2.
+  assert {("all-gather", 4), ("reduce-scatter", 4), ("all-reduce", 2)} <= groups, table
 
 
 def test_sigterm_to_one_of_two_processes_stops_both_at_one_checkpoint(tmp_path):

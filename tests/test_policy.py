@@ -183,9 +183,33 @@ def test_unknown_key_and_accepted_forms_name_the_storage_keys():
     mpjax.get_policy("p=f32,moments=bf16")
   message = str(info.value)
   assert (
-    "not 'params=', 'compute=', 'output=', 'opt=', 'opt_state_dtype=' or 'rounding='" in message
+    "not 'params=', 'compute=', 'output=', 'opt=', 'opt_state_dtype=', 'rounding=', 'reduce=' "
+    "or 'gather='" in message
   )
-  assert "opt=bf16,rounding=stochastic" in message
+  assert "opt=bf16,rounding=stochastic" in message and "reduce=f32" in message
+
+
+@pytest.mark.parametrize(
+  "spec, reduce, gather",
+  [
+    ("p=f32,c=bf16,o=f32,reduce=f32", jnp.float32, None),
+    ("p=f32,c=bf16,reduce_dtype=bf16,gather=bf16", jnp.bfloat16, jnp.bfloat16),
+    ("p=f32,c=f16,gather_dtype=f32", None, jnp.float32),
+  ],
+)
+def test_reduce_and_gather_dtypes_read_from_jmps_grammar_and_print_back(spec, reduce, gather):
+  policy = mpjax.get_policy(spec)
+  assert policy.reduce_dtype == (None if reduce is None else np.dtype(reduce))
+  assert policy.gather_dtype == (None if gather is None else np.dtype(gather))
+  assert mpjax.get_policy(str(policy)) == policy and hash(mpjax.get_policy(str(policy)))
+  assert mpjax.get_policy("mixed_bf16").reduce_dtype is None  # the presets leave them to XLA
+
+
+def test_a_reduce_or_gather_dtype_other_than_f32_or_the_compute_dtype_is_refused():
+  with pytest.raises(ValueError, match=r"reduce_dtype=float16: .* use reduce_dtype=jnp.float32"):
+    mpjax.Policy(jnp.float32, jnp.bfloat16, jnp.float32, reduce_dtype=jnp.float16)
+  with pytest.raises(ValueError, match="gather_dtype=bfloat16"):
+    mpjax.get_policy("p=f32,c=f16,gather=bf16")
 
 
 def test_a_float64_opt_state_dtype_is_refused_for_its_own_reason():

@@ -3,9 +3,11 @@
 A config is a Python file whose ``get_config()`` returns an ``ml_collections``
 ``ConfigDict`` (see ``configs/default.py``). :func:`train` builds the dataset,
 the model, the :class:`~mpjax.TrainState` and the jitted step from it, trains
-with data parallelism over every device (of every process after
-``jax.distributed.initialize``), logs metrics as JSONL, keeps
-orbax checkpoints that resume bit-identically, and returns a summary.
+over a mesh of every device (of every process after
+``jax.distributed.initialize``): data parallel by default, FSDP with
+``--config.mesh.fsdp=N``. It logs metrics as JSONL, keeps orbax checkpoints
+that resume bit-identically (on another mesh or device count too: each array
+is read back onto the current mesh), and returns a summary.
 :func:`compare` trains one config under several policies and writes a markdown
 table and plots. The ``mpjax`` command line (:mod:`mpjax.cli`) calls both.
 
@@ -13,6 +15,8 @@ One module per job:
 
 - :mod:`~mpjax.experiment.config`: find, load and override a config; build the
   :class:`Experiment` (dataset, model, policy, mesh, loss and step) from it.
+- :mod:`~mpjax.experiment.sharding`: where the arrays go on the mesh: batches
+  over every device, params over ``fsdp`` (or as their Flax metadata says).
 - :mod:`~mpjax.experiment.run_dir`: the run directory, and what the processes
   of a multi-host run agree on (the run, its step, its data, when to stop).
 - :mod:`~mpjax.experiment.metrics`: ``metrics.jsonl``, written and read.

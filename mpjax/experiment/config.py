@@ -3,8 +3,9 @@
 A config is a Python file whose ``get_config()`` returns an ``ml_collections``
 ``ConfigDict`` (see ``configs/default.py``). :func:`load_config` checks every
 value by building an :class:`Experiment` from it: the dataset, the model, the
-policy and the mesh, with the loss, evaluation and jitted train step the
-training loop (:mod:`mpjax.experiment.loop`) runs.
+policy and the mesh (``config.mesh``: data parallel, FSDP, or both; see
+:mod:`mpjax.experiment.sharding`), with the loss, evaluation and jitted train
+step the training loop (:mod:`mpjax.experiment.loop`) runs.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ from mpjax import data as data_lib
 from mpjax import models
 from mpjax.autocast import autocast
 from mpjax.diagnose import grad_health
+from mpjax.experiment.sharding import BATCH_SPEC, MESH_AXES, param_specs, put_on_mesh
+from mpjax.layout import mesh_of
 from mpjax.loss_scale import DynamicLossScale, LossScale, NoOpLossScale
 from mpjax.policy import Policy, get_policy
 from mpjax.train_state import TrainState
@@ -47,6 +50,7 @@ __all__ = [
   "Experiment",
   "find_config",
   "load_config",
+  "mesh_shape",
 ]
 
 MODELS: dict[str, type[nn.Module]] = {
@@ -59,9 +63,12 @@ LOSS_SCALES: dict[str, Callable[[], LossScale | None]] = {
   "dynamic": DynamicLossScale,
   "none": NoOpLossScale,
 }
-# Keys that may change between a run and its resumption.
+# Keys that may change between a run and its resumption: none changes the math (the mesh and
+# the device count only change the order in which a step's sums add up).
 RESUMABLE_KEYS = (
   "steps",
+  "num_devices",
+  "mesh",
   "log_every",
   "eval_every",
   "checkpoint_every",
@@ -152,6 +159,8 @@ def _apply_override(config: ml_collections.ConfigDict, override: str) -> None:
     if not isinstance(node, ml_collections.ConfigDict):
       raise ConfigError(f"unknown config key {'.'.join(parents[: i + 1])!r} in --config.{key}.")
   if leaf not in node:
+    if parents == ["mesh"]:
+      raise ConfigError(f"--config.{key}: {_unknown_axes_message([leaf])}")
     known = ", ".join(sorted(node.keys()))
     raise ConfigError(f"unknown config key {key!r}; the keys here are: {known}.")
   old, value = node[leaf], _parse_value(text)
@@ -211,6 +220,84 @@ def load_config(
   return config
 
 
+def _unknown_axes_message(names: Sequence[str]) -> str:
+  listed = ", ".join(repr(n) for n in names)
+  return (
+    f"unknown mesh axis {listed}: an experiment's mesh has the axes {' and '.join(MESH_AXES)} "
+    "(e.g. --config.mesh.fsdp=8); remove it. To shard otherwise, annotate the model's params "
+    "with nn.with_partitioning over these axes."
+  )
+
+
+def _describe(shape: dict[str, int]) -> str:
+  return " x ".join(f"{axis}={size}" for axis, size in shape.items())
+
+
+def mesh_shape(config: ml_collections.ConfigDict, devices: int) -> dict[str, int]:
+  """The size of each mesh axis, ``{"data": ..., "fsdp": ...}``, from ``config.mesh``.
+
+  ``config.mesh.data`` 0 takes the devices the other axes leave; a config without
+  ``config.mesh`` is data parallel over every device.
+
+  Args:
+    config: the config.
+    devices: how many devices the run uses (``config.num_devices``, or all).
+
+  Returns:
+    Axis name -> size, in mesh order; the sizes multiply to ``devices``.
+
+  Raises:
+    ConfigError: for an unknown axis, a size that is not an integer (>= 1; >= 0 for
+      ``data``), or sizes whose product is not ``devices``.
+
+  Example:
+    >>> import mpjax.experiment as ex
+    >>> from mpjax.experiment.config import mesh_shape
+    >>> config = ex.load_config("default")
+    >>> config.mesh.fsdp = 4
+    >>> mesh_shape(config, 8)
+    {'data': 2, 'fsdp': 4}
+  """
+  mesh = config.get("mesh")
+  if mesh is None:
+    return {"data": devices, "fsdp": 1}
+  if not isinstance(mesh, ml_collections.ConfigDict):
+    raise ConfigError(
+      f"config.mesh={mesh!r} must be a ConfigDict of axis sizes, e.g. "
+      "ml_collections.ConfigDict(dict(data=0, fsdp=1))."
+    )
+  unknown = [k for k in mesh if k not in MESH_AXES]
+  if unknown:
+    raise ConfigError(f"config.mesh: {_unknown_axes_message(unknown)}")
+  sizes = {axis: mesh.get(axis, 0 if axis == "data" else 1) for axis in MESH_AXES}
+  for axis, size in sizes.items():
+    least = 0 if axis == "data" else 1
+    if not isinstance(size, int) or isinstance(size, bool) or size < least:
+      what = ">= 0 (0: the devices the other axes leave)" if axis == "data" else ">= 1"
+      raise ConfigError(f"config.mesh.{axis}={size!r} must be an integer {what}.")
+  used = f"config.num_devices={config.get('num_devices', 0)}" + (
+    ": all of them" if not config.get("num_devices") else ""
+  )
+  inner = int(np.prod([size for axis, size in sizes.items() if axis != "data"]))
+  if sizes["data"] == 0:
+    if devices % inner:
+      raise ConfigError(
+        f"config.mesh.fsdp={sizes['fsdp']} does not divide the {devices} devices this run "
+        f"uses ({used}); use a divisor of {devices}, or set config.num_devices to a multiple "
+        f"of {sizes['fsdp']}."
+      )
+    sizes["data"] = devices // inner
+  elif sizes["data"] * inner != devices:
+    product = sizes["data"] * inner
+    fewer = f", or set config.num_devices={product}" if product < devices else ""
+    raise ConfigError(
+      f"config.mesh {_describe(sizes)} holds {product} devices, but this run uses {devices} "
+      f"({used}); give axis sizes whose product is {devices} (config.mesh.data=0 takes the "
+      f"devices the other axes leave){fewer}."
+    )
+  return sizes
+
+
 def _positive(config: ml_collections.ConfigDict, *keys: str, allow_zero: bool = False) -> None:
   for key in keys:
     value = config[key]
@@ -228,7 +315,9 @@ class Experiment:
     policy: the precision policy (``MPJAX_POLICY`` applied).
     dataset: the :class:`mpjax.data.Dataset`.
     model: the Flax module.
-    mesh: a one-axis (``"data"``) mesh over the devices used.
+    mesh: the ``("data", "fsdp")`` mesh over the devices used (``config.mesh``).
+    param_specs: where each parameter goes on the mesh, a ``PartitionSpec`` per leaf of
+      ``{"params": ...}`` (see :func:`mpjax.experiment.sharding.param_specs`).
 
   Example:
     >>> import mpjax.experiment as ex
@@ -243,6 +332,7 @@ class Experiment:
   dataset: Any = dataclasses.field(init=False)
   model: nn.Module = dataclasses.field(init=False)
   mesh: Mesh = dataclasses.field(init=False)
+  param_specs: Any = dataclasses.field(init=False)
 
   def __post_init__(self) -> None:
     config = self.config
@@ -268,12 +358,14 @@ class Experiment:
         f"config.num_devices={n} but this run has {len(devices)} devices over "
         f"{jax.process_count()} process(es); use 0 for all of them."
       )
+    shape = mesh_shape(config, n)
     if config.batch_size % n:
       raise ConfigError(
         f"config.batch_size={config.batch_size} is not divisible by the {n} devices it is "
-        f"split over; use a multiple of {n} or set config.num_devices."
+        f"split over (config.mesh {_describe(shape)}); use a multiple of {n}, or set "
+        "config.num_devices and config.mesh for fewer devices."
       )
-    self.mesh = Mesh(np.array(devices[:n]), ("data",))
+    self.mesh = Mesh(np.array(devices[:n]).reshape(tuple(shape.values())), tuple(shape))
     data_kwargs = {k: v for k, v in config.data.items() if k != "name"}
     try:
       self.dataset = data_lib.load_dataset(config.data.name, **data_kwargs)
@@ -290,6 +382,10 @@ class Experiment:
       self.model = MODELS[config.model.name](**model_kwargs)
     except (ValueError, TypeError) as e:
       raise ConfigError(f"config.model: {e}") from None
+    try:  # where each parameter goes; the shapes only, nothing is initialised
+      self.param_specs = param_specs(self.abstract_params(), shape)
+    except ValueError as e:
+      raise ConfigError(f"config.mesh: {e}") from None
 
   # -- pieces of the step
 
@@ -343,14 +439,36 @@ class Experiment:
     correct = (jnp.argmax(logits, -1) == labels).astype(jnp.float32)
     return {"loss": jnp.sum(loss * mask), "correct": jnp.sum(correct * mask), "n": jnp.sum(mask)}
 
-  def init_state(self) -> TrainState:
-    """The initial train state, replicated over the mesh."""
-    config = self.config
-    sample = self.dataset.batch(0, 1, config.seed)
+  def _init_variables(self) -> Any:
+    sample = self.dataset.batch(0, 1, self.config.seed)
     kwargs = {"train": False} if self.takes_train_flag else {}
-    variables = self.model.init(jax.random.key(config.seed), self._inputs(sample), **kwargs)
-    params = {"params": variables["params"]}
-    model_state = {k: v for k, v in variables.items() if k != "params"}
+    return self.model.init(jax.random.key(self.config.seed), self._inputs(sample), **kwargs)
+
+  def abstract_params(self) -> Any:
+    """The model's ``{"params": ...}`` as ``jax.ShapeDtypeStruct`` s, Flax metadata boxes kept."""
+    return {"params": jax.eval_shape(self._init_variables)["params"]}
+
+  def init_state(self, step: Callable[..., Any] | None = None, batch: Any = None) -> TrainState:
+    """The initial train state, placed on the mesh.
+
+    The params are initialised on the host (the same in every process) and placed as
+    :attr:`param_specs` says (sharded over ``fsdp``, or replicated); model state such as
+    BatchNorm statistics is replicated, and :meth:`mpjax.TrainState.create` places the rest
+    (Adam's moments like their params) and records the layout each step keeps.
+
+    Args:
+      step: with ``batch``, the step the state trains with (:meth:`make_step`): an FP8
+        policy's delayed-scaling state is then made and placed too (see
+        :func:`mpjax.init_fp8_state`).
+      batch: a batch of the step's shapes (:meth:`put_batch`).
+
+    Returns:
+      The state.
+    """
+    config = self.config
+    variables = nn.unbox(self._init_variables())
+    params = put_on_mesh({"params": variables["params"]}, self.mesh, self.param_specs)
+    model_state = put_on_mesh({k: v for k, v in variables.items() if k != "params"}, self.mesh)
     schedule = optax.warmup_cosine_decay_schedule(
       0.0, config.learning_rate, min(config.warmup_steps, config.steps - 1), config.steps
     )
@@ -367,13 +485,16 @@ class Experiment:
       # The stochastic rounding's key (bf16_sr, bf16_kahan), apart from the init's; it is
       # kept in the optimizer state, so a resumed run takes it from the checkpoint.
       rounding_key=jax.random.fold_in(jax.random.key(config.seed), 1),
+      train_step=step,
+      example_batch=batch,
     )
-    # From host values, which every process computes alike, onto all devices.
-    return jax.device_put(jax.device_get(state), NamedSharding(self.mesh, P()))
+    if mesh_of(state.params) is None:  # one device: create placed nothing, place it all
+      state = jax.device_put(state, NamedSharding(self.mesh, P()))
+    return state
 
   def put_batch(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-    """A global batch (the same on every process), split over the mesh's ``data`` axis."""
-    return jax.device_put(batch, NamedSharding(self.mesh, P("data")))
+    """A global batch (the same on every process), split over every device of the mesh."""
+    return put_on_mesh(batch, self.mesh, jax.tree.map(lambda _: BATCH_SPEC, batch))
 
   def make_step(self) -> Callable[[TrainState, Any], tuple[TrainState, dict[str, Any]]]:
     """The jitted train step, donating the state."""

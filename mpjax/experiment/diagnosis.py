@@ -15,7 +15,6 @@ import orbax.checkpoint as ocp
 
 from mpjax.diagnose import find_nonfinite, suggest_rules
 from mpjax.experiment.config import RESUMABLE_KEYS, ConfigError, Experiment
-from mpjax.train_state import init_fp8_state
 
 __all__ = ["diagnose"]
 
@@ -51,7 +50,7 @@ def diagnose(
   exp = Experiment(config)
   step_fn = exp.make_step()
   batch = exp.put_batch(exp.dataset.batch(step, config.batch_size, config.seed))
-  state = init_fp8_state(step_fn, exp.init_state(), batch)
+  state = exp.init_state(step_fn, batch)
   source = 0
   saved = [s for s in _checkpoint_steps(path) if s <= step]
   if saved:

@@ -1,7 +1,8 @@
 """The training loop: resume or start a run, train it step by step, log, and summarize it.
 
-:func:`train` trains an experiment with data parallelism over every device (of
-every process after ``jax.distributed.initialize``), logs metrics as JSONL,
+:func:`train` trains an experiment over its mesh of every device (of every
+process after ``jax.distributed.initialize``; data parallel, or FSDP with
+``config.mesh.fsdp``), logs metrics as JSONL,
 keeps orbax checkpoints that resume bit-identically, stops with a diagnosis
 when the run diverges, and returns a summary.
 """
@@ -23,8 +24,6 @@ from typing import Any
 import jax
 import ml_collections
 import orbax.checkpoint as ocp
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from mpjax.diagnose import NonFiniteReport, find_nonfinite, suggest_rules
 from mpjax.experiment.config import ConfigError, Experiment
@@ -38,7 +37,7 @@ from mpjax.experiment.run_dir import (
 )
 from mpjax.loss_scale import DynamicLossScale
 from mpjax.policy import POLICY_ENV_VAR
-from mpjax.train_state import TrainState, init_fp8_state
+from mpjax.train_state import TrainState
 
 __all__ = ["DIVERGED_EXIT_STATUS", "train"]
 
@@ -58,7 +57,10 @@ def train(
   Each step's batch is a pure function of ``(seed, step)``, so a run that was
   stopped (Ctrl-C, SIGTERM, or a crash after a checkpoint) and rerun with the
   same run directory continues bit-identically on CPU. SIGINT and SIGTERM
-  finish the current step, write a checkpoint and return.
+  finish the current step, write a checkpoint and return. The rerun may use
+  another mesh or device count (``config.mesh``, ``config.num_devices``):
+  the checkpoint is read onto its mesh, and it trains on from the same step
+  with the same math, its sums in another order.
 
   Args:
     config: a config from :func:`load_config`.
@@ -76,7 +78,8 @@ def train(
     The summary: final ``loss``, ``test_loss``, ``test_accuracy``,
     ``steps_per_second``, ``examples_per_second`` (tokens for language
     models), ``skipped_steps``, ``step_memory_mib`` (XLA's temporary memory of
-    the compiled step), ``policy``, ``devices``, ``steps``, ``interrupted``
+    the compiled step), ``policy``, ``devices``, ``mesh`` (its axis sizes),
+    ``steps``, ``interrupted``
     (the signal's name, or ``None``) and ``run_dir``.
 
   Raises:
@@ -98,7 +101,9 @@ def train(
   with stop_on_signals() as stop:  # from here on, a signal means: checkpoint and stop
     step_fn = exp.make_step()
     first_batch = exp.put_batch(exp.dataset.batch(0, config.batch_size, 0))
-    state = _initial_state(exp, step_fn, first_batch)
+    # Placed on the mesh, with an FP8 policy's delayed-scaling state made before the step is
+    # compiled: the restore target of a checkpoint, whatever mesh wrote it.
+    state = exp.init_state(step_fn, first_batch)
     options = ocp.CheckpointManagerOptions(max_to_keep=2, create=True)
     with ocp.CheckpointManager(path / "checkpoints", options=options) as manager:
       start = manager.latest_step() or 0
@@ -147,16 +152,6 @@ def _autoprecision(exp: Experiment) -> Experiment:
   return Experiment(config)
 
 
-def _initial_state(exp: Experiment, step_fn: Any, first_batch: Any) -> TrainState:
-  """The initial state, with an FP8 policy's delayed-scaling state, replicated over the mesh.
-
-  The FP8 state is made before the step is compiled (and as the checkpoint's
-  restore target), replicated like the rest.
-  """
-  state = init_fp8_state(step_fn, exp.init_state(), first_batch)
-  return state.replace(fp8=jax.device_put(state.fp8, NamedSharding(exp.mesh, P())))
-
-
 def _complete_run(
   path: pathlib.Path, start: int, config: ml_collections.ConfigDict
 ) -> dict[str, Any]:
@@ -177,7 +172,11 @@ def _resume(
   path: pathlib.Path,
   config: ml_collections.ConfigDict,
 ) -> TrainState:
-  """``state`` restored from the checkpoint of step ``start`` (as it is when ``start`` is 0)."""
+  """``state`` restored from the checkpoint of step ``start`` (as it is when ``start`` is 0).
+
+  Each array comes back with the sharding it has in ``state``, on this run's mesh, whatever
+  mesh and device count wrote the checkpoint (orbax reads each device's shard).
+  """
   if not start:
     return state
   if jax.process_index() == 0:
@@ -460,6 +459,7 @@ def _summary(
     "dtypes": repr(exp.policy),
     "loss_scale": config.loss_scale,
     "devices": exp.mesh.size,
+    "mesh": dict(exp.mesh.shape),
     "steps": run.steps,
     "loss": last.get("loss", float("nan")),
     **evaluation,
