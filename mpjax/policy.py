@@ -104,9 +104,10 @@ class Policy:
       on a CPU.
     gather_dtype: the dtype sharded params travel in to the devices that
       compute with them (FSDP2's ``param_dtype``): each shard is cast before it
-      leaves its device, the cast pinned to the shard (see
-      :func:`mpjax.make_train_step`). ``None`` (default): the compute dtype for
-      a policy that computes in half precision, where the step enforces it.
+      leaves its device, the cast pinned to the shard, for a state whose layout
+      is recorded (:attr:`mpjax.TrainState.layout`). ``None`` (default): bf16
+      for bf16 compute. fp16, FP8 and a ``reduce_dtype`` wider than the gather
+      dtype leave the gather to XLA (see :mod:`mpjax.layout`).
 
   Example:
     >>> import jax.numpy as jnp
