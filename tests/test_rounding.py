@@ -344,13 +344,16 @@ def test_h100_step_of_bf16_sr_costs_no_byte_and_no_kernel_per_leaf_over_nearest(
   assert r["bf16_sr"]["state_bytes_per_param"] <= r["fp32"]["state_bytes_per_param"] / 2 + 0.02
   for mode in ("default", "cublaslt"):
     sr, nearest = r["bf16_sr"][mode], r["pure_bf16"][mode]
-    # The rounding fuses into the update: at most one kernel more than round to nearest (the
-    # step's seed); a random-number or key kernel per leaf would add six or more. (The full-size
-    # MLP moves the same bytes as pure_bf16; this tiny one a few kB more.)
+    # The rounding fuses into the update: no kernel per leaf, which would add six or more. Since
+    # both policies autocast (2026-12-07), the default mode's untuned program has 25 kernels
+    # against 22 (cuBLASLt mode: at most one more, the step's seed). (The full-size MLP moves
+    # the same bytes as pure_bf16; this tiny one a few kB more.)
     assert sr["bytes_moved"] <= nearest["bytes_moved"] * 1.1, mode
-    assert sr["kernels"] <= nearest["kernels"] + 1, mode
+    assert sr["kernels"] <= nearest["kernels"] + (3 if mode == "default" else 1), mode
     assert sr["bytes_ratio"] == sr["bytes_moved"] / r["fp32"][mode]["bytes_moved"]
-  assert r["bf16_sr"]["default"]["kernels"] <= r["fp32"]["default"]["kernels"] * 1.05
+  # Autocast's casts (the f32 batch, each bf16 GEMM's operands) on this tiny MLP: 25 kernels
+  # against fp32's 21 in the default mode since bf16_sr autocasts; its bytes stay about half.
+  assert r["bf16_sr"]["default"]["kernels"] <= r["fp32"]["default"]["kernels"] * 1.25
   assert r["fp32"]["cublaslt"]["split_k_bytes"] == 0
 
 

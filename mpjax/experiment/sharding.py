@@ -115,12 +115,11 @@ def put_on_mesh(tree: Any, mesh: Mesh, specs: Any = None) -> Any:
     ``tree`` as ``jax.Array`` s with normalized ``NamedSharding`` s (see
     :func:`mpjax.layout.normalized_sharding`).
   """
-  tree = jax.device_get(tree)
   if specs is None:
     specs = jax.tree.map(lambda _: P(), tree)
 
   def put(x: Any, spec: P) -> jax.Array:
-    x = np.asarray(x)
+    x = np.asarray(x)  # a device value read to the host (no jax.device_get: a batch is host data)
     sharding = normalized_sharding(NamedSharding(mesh, spec))
     return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
 
