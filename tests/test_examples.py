@@ -292,7 +292,11 @@ def test_the_sharding_docs_fsdp_loops_train_on_8_devices_and_read_their_h100_col
   except importlib.metadata.PackageNotFoundError:
     pass  # the GPU compile needs XLA's CUDA compiler plugin; CI installs it
   env = {k: v for k, v in os.environ.items() if k != "MPJAX_POLICY"}
-  env.update(XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+  # 8 host devices on 2 loaded cores: a device thread can wait past XLA:CPU's default collective
+  # timeout (seen once in CI: "only 6 of them arrived on time"), which is not what this tests.
+  flags = "--xla_force_host_platform_device_count=8"
+  flags += " --xla_cpu_collective_call_terminate_timeout_seconds=900"
+  env.update(XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
   script = _SHARDING_DOC.format(doc=str(ROOT / "docs" / "sharding.md"), headings=headings)
   proc = subprocess.run(
     [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600

@@ -77,7 +77,11 @@ POLICIES = ("fp32", "mixed_bf16", "mixed_fp16", "mixed_fp8", "bf16_sr")
 )
 def test_a_sharded_step_keeps_every_leafs_layout_and_compiles_once(axes):
   env = {k: v for k, v in os.environ.items() if k != "MPJAX_POLICY"}
-  env.update(XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+  # 8 host devices on 2 loaded cores: a device thread can wait past XLA:CPU's default collective
+  # timeout (seen once in CI: "only 6 of them arrived on time"), which is not what this tests.
+  flags = "--xla_force_host_platform_device_count=8"
+  flags += " --xla_cpu_collective_call_terminate_timeout_seconds=900"
+  env.update(XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
   script = _LAYOUT.format(axes=axes, policies=POLICIES)
   proc = subprocess.run(
     [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
