@@ -76,7 +76,6 @@ SLOW = {
   "tests/test_rounding.py::test_experiment_resumed_from_a_checkpoint": "trains a config twice",
   "tests/test_rounding.py::test_data_parallel_replicas_round": "8 host devices, two steps x2",
   "tests/test_rounding.py::test_h100_step_of_bf16_sr": "three whole-step GPU compiles",
-  "tests/test_examples.py::test_the_sharding_docs_fsdp_loops": "8 host devices, two trainings",
   "tests/test_examples.py::test_bench_script_compiles_every_policy_for_a_mesh": (
     "eight whole-step GPU compiles"
   ),
