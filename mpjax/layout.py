@@ -33,6 +33,7 @@ __all__ = [
   "layout_of",
   "mesh_of",
   "normalized_sharding",
+  "splits_a_leaf",
 ]
 
 
@@ -104,6 +105,18 @@ def _applies(layout: tuple[Any, ...] | None, leaves: list[Any]) -> bool:
       if dict(zip(names, traced.axis_sizes, strict=True)) != dict(sharding.mesh.shape):
         return False
   return True
+
+
+def splits_a_leaf(tree: Any, layout: tuple[Any, ...] | None) -> bool:
+  """Whether ``layout`` applies to ``tree`` (traced) and splits some leaf of it over devices.
+
+  A step whose gradients are split so must not reduce them through one whole array (a
+  concatenation of every gradient): XLA would gather each whole onto every device.
+  """
+  leaves = jax.tree.leaves(tree)
+  return _applies(layout, leaves) and any(
+    any(axis is not None for axis in getattr(s, "spec", ())) for s in layout
+  )
 
 
 def constrain_to_layout(tree: Any, layout: tuple[Any, ...] | None) -> Any:

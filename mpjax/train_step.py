@@ -17,7 +17,7 @@ from mpjax._dtypes import cast_floating, is_floating, to_f32
 from mpjax.autocast import autocast as autocast_fn
 from mpjax.autocast import autocast_with_fp8_scales, count_delayed_fp8_gemms
 from mpjax.fp8 import Fp8State, advance, delayed_scales
-from mpjax.layout import cast_shards, constrain_to_layout
+from mpjax.layout import cast_shards, constrain_to_layout, splits_a_leaf
 from mpjax.loss_scale import (
   DynamicLossScale,
   LossScale,
@@ -93,7 +93,7 @@ _LEAVES_PER_KERNEL = 64
 _NORM_ROW = 1024
 
 
-def _grad_norm(grads: Any) -> jax.Array:
+def _grad_norm(grads: Any, sharded: bool = False) -> jax.Array:
   """The global L2 norm of the (f32) gradients, read the way the backend reads fastest.
 
   XLA:GPU makes ``optax.tree.norm`` one or two reduction kernels per leaf (70
@@ -103,8 +103,13 @@ def _grad_norm(grads: Any) -> jax.Array:
   reduction kernel per 64 leaves that reads every gradient once and writes
   nothing their size. XLA:CPU keeps optax's per-leaf sums, which it fuses into
   the kernels that produce the gradients. The backend is the one XLA lowers
-  for (:func:`by_platform`).
+  for (:func:`by_platform`). Gradients ``sharded`` over devices (FSDP) keep the
+  per-leaf sums everywhere: each device sums its shards and one scalar is
+  all-reduced, where a concatenation would gather every gradient whole onto
+  every device.
   """
+  if sharded:
+    return optax.tree.norm(grads)
   return by_platform(grads, cpu=optax.tree.norm, other=_fused_norm)
 
 
@@ -319,7 +324,8 @@ def _train_step(
     # One pass over the gradients gives both the norm and the finite check:
     # the sum of squares is non-finite iff some gradient is inf/NaN (or the
     # norm itself overflows f32, > 1.8e19, a step no one wants applied either).
-    metrics["grad_norm"] = grad_norm = _grad_norm(grads)
+    sharded = splits_a_leaf(grads, state.params_layout)
+    metrics["grad_norm"] = grad_norm = _grad_norm(grads, sharded)
   if options.max_grad_norm is not None:
     grads = _clip(grads, grad_norm, options.max_grad_norm)
 
