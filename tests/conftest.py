@@ -6,6 +6,7 @@ A test is slow when it trains for many steps, starts other processes (8 host dev
 processes), runs a whole benchmark script, or compiles whole train steps for a GPU target.
 """
 
+import functools
 import os
 import re
 
@@ -76,6 +77,7 @@ SLOW = {
   "tests/test_rounding.py::test_experiment_resumed_from_a_checkpoint": "trains a config twice",
   "tests/test_rounding.py::test_data_parallel_replicas_round": "8 host devices, two steps x2",
   "tests/test_rounding.py::test_h100_step_of_bf16_sr": "three whole-step GPU compiles",
+  "tests/test_examples.py::test_the_sharding_docs_fsdp_loops": "8 host devices, two trainings",
   "tests/test_examples.py::test_bench_script_compiles_every_policy_for_a_mesh": (
     "eight whole-step GPU compiles"
   ),
@@ -95,6 +97,7 @@ def _compiles_for_a_gpu(item) -> bool:
   return any(re.search(r"compile_for\(|target=\"", e.source) for e in examples)
 
 
+@functools.cache
 def _missing_plugin() -> str | None:
   """Why GPU compiles cannot run here (no compiler plugin at jaxlib's version), or None."""
   try:
@@ -109,10 +112,21 @@ def pytest_collection_modifyitems(config, items):
   for item in items:
     if any(item.nodeid.startswith(prefix) for prefix in SLOW):
       item.add_marker(pytest.mark.slow)
-    # The GPU tests skip, saying why, without the plugin (tests/test_gpu.py does the same);
-    # CI installs it, and checks it did, so they run there.
+    # The GPU tests skip, saying why, without the plugin (the tests do the same through
+    # ``gpu_compiler``); CI installs it, and checks it did, so they run there.
     if missing and _compiles_for_a_gpu(item):
       item.add_marker(pytest.mark.skip(reason=missing))
+
+
+@pytest.fixture
+def gpu_compiler():
+  """Skips the test, saying why, where XLA's CUDA compiler plugin at jaxlib's version is missing.
+
+  The tests that compile for a GPU target ask for it: ``@pytest.mark.usefixtures("gpu_compiler")``,
+  or a whole module's ``pytestmark``. The reason names the plugin and the command installing it.
+  """
+  if missing := _missing_plugin():
+    pytest.skip(missing)
 
 
 @pytest.fixture(autouse=True)
