@@ -78,6 +78,9 @@ SLOW = {
   "tests/test_rounding.py::test_data_parallel_replicas_round": "8 host devices, two steps x2",
   "tests/test_rounding.py::test_h100_step_of_bf16_sr": "three whole-step GPU compiles",
   "tests/test_examples.py::test_the_sharding_docs_fsdp_loops": "8 host devices, two trainings",
+  "tests/test_sharded_numerics.py::test_bf16_gradient_reductions": "eight GPU compiles",
+  "tests/test_sharded_numerics.py::test_a_sharded_bf16_sr_leaf": "8 host devices, three trainings",
+  "tests/test_sharded_numerics.py::test_fp8_amax_of_a_sharded": "8 host devices, two trainings",
   "tests/test_examples.py::test_bench_script_compiles_every_policy_for_a_mesh": (
     "eight whole-step GPU compiles"
   ),
@@ -118,12 +121,13 @@ def pytest_collection_modifyitems(config, items):
       item.add_marker(pytest.mark.skip(reason=missing))
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def gpu_compiler():
   """Skips the test, saying why, where XLA's CUDA compiler plugin at jaxlib's version is missing.
 
   The tests that compile for a GPU target ask for it: ``@pytest.mark.usefixtures("gpu_compiler")``,
   or a whole module's ``pytestmark``. The reason names the plugin and the command installing it.
+  Session-scoped, so it skips before any module-scoped fixture compiles for a GPU.
   """
   if missing := _missing_plugin():
     pytest.skip(missing)

@@ -1,6 +1,5 @@
 """Multi-GPU programs compiled without GPUs (mpjax.target_mesh) and their collectives, read."""
 
-import importlib.metadata
 import json
 
 import jax
@@ -11,17 +10,9 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import mpjax
-import mpjax.gpu
 from mpjax.collectives import parse_replica_groups
 
-try:
-  importlib.metadata.version(mpjax.gpu.PLUGIN)
-except importlib.metadata.PackageNotFoundError:
-  pytest.skip(
-    "needs XLA's CUDA compiler plugin at jaxlib's version: pip install --no-deps "
-    f"{mpjax.gpu.PLUGIN}=={importlib.metadata.version('jaxlib')}",
-    allow_module_level=True,
-  )
+pytestmark = pytest.mark.usefixtures("gpu_compiler")  # compiles for GPU targets
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 

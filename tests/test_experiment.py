@@ -1,6 +1,5 @@
 """Experiments from configs and the ``mpjax`` command line, run as a user runs them."""
 
-import importlib.metadata
 import json
 import math
 import os
@@ -21,7 +20,6 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import mpjax.collectives
-import mpjax.gpu
 from mpjax import cli, models
 from mpjax import experiment as ex
 from mpjax.experiment.config import mesh_shape
@@ -425,24 +423,42 @@ def test_autoprecision_picks_rules_before_training_and_saves_them(tmp_path, caps
   assert jaxpr.count("f16[") < plain.count("f16[")
 
 
+def _host_devices_env(count):
+  """The environment of a subprocess on ``count`` CPU devices, with no policy override."""
+  env = {k: v for k, v in os.environ.items() if k != "MPJAX_POLICY"}
+  env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={count}")
+  return env
+
+
+def _on_host_devices(count, code, *args, timeout=600):
+  """Runs Python ``code`` with ``args`` on ``count`` CPU devices: its last line's JSON, stderr."""
+  proc = subprocess.run(
+    [sys.executable, "-c", code, *map(str, args)],
+    env=_host_devices_env(count),
+    capture_output=True,
+    text=True,
+    timeout=timeout,
+    cwd=ROOT,
+  )
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr
+
+
+def _cli_on_host_devices(count, args, run_dir):
+  """``mpjax <args> --run_dir <run_dir>`` as one process of ``count`` CPU devices."""
+  command = [sys.executable, "-m", "mpjax.cli", *args, "--run_dir", str(run_dir)]
+  env = _host_devices_env(count)
+  proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+
+
 def test_data_parallel_over_eight_host_devices(tmp_path):
   code = (
     "import json, sys, mpjax.experiment as ex\n"
     "config = ex.load_config('digits_cnn', ['steps=20', 'log_every=10'])\n"
     "print(json.dumps(ex.train(config, run_dir=sys.argv[1])))\n"
   )
-  env = {k: v for k, v in os.environ.items() if k != "MPJAX_POLICY"}
-  env.update(XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-  proc = subprocess.run(
-    [sys.executable, "-c", code, str(tmp_path / "eight")],
-    env=env,
-    capture_output=True,
-    text=True,
-    timeout=300,
-    cwd=ROOT,
-  )
-  assert proc.returncode == 0, proc.stderr[-4000:]
-  eight = json.loads(proc.stdout.strip().splitlines()[-1])
+  eight, _ = _on_host_devices(8, code, tmp_path / "eight", timeout=300)
   one = ex.train(
     ex.load_config("digits_cnn", ["steps=20", "log_every=10", "num_devices=1"]),
     run_dir=tmp_path / "one",
@@ -462,10 +478,7 @@ def _free_port():
 
 def _two_processes(args, run_dir, devices_each=2):
   """``mpjax <args>`` as two processes of one run (gloo on CPU), each with ``devices_each``."""
-  env = {k: v for k, v in os.environ.items() if k != "MPJAX_POLICY"}
-  env.update(
-    JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices_each}"
-  )
+  env = _host_devices_env(devices_each)
   command = [sys.executable, "-m", "mpjax.cli", *args, "--run_dir", str(run_dir)]
   address = f"127.0.0.1:{_free_port()}"
   return [
@@ -491,11 +504,7 @@ def test_two_processes_train_as_one_run_of_their_devices(tmp_path):
   args = ["train", "digits_mlp", "--config.steps=12", "--config.log_every=6", "--no_progress"]
   codes, err = _finish(_two_processes(args, tmp_path / "two"))
   assert codes == [0, 0], err
-  env = {k: v for k, v in os.environ.items() if k != "MPJAX_POLICY"}
-  env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4")
-  command = [sys.executable, "-m", "mpjax.cli", *args, "--run_dir", str(tmp_path / "four")]
-  proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
-  assert proc.returncode == 0, proc.stderr[-3000:]
+  _cli_on_host_devices(4, args, tmp_path / "four")
   two, four = (json.loads((tmp_path / d / "summary.json").read_text()) for d in ("two", "four"))
   assert two["devices"] == four["devices"] == 4
   # process 0 alone wrote the metrics: one line per log step and one evaluation
@@ -564,21 +573,6 @@ print(json.dumps({"code": code, "devices": len(jax.devices()), "sums": sums,
 """
 
 
-def _on_host_devices(count, code, *args):
-  env = {k: v for k, v in os.environ.items() if k != "MPJAX_POLICY"}
-  env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={count}", JAX_PLATFORMS="cpu")
-  proc = subprocess.run(
-    [sys.executable, "-c", code, *map(str, args)],
-    env=env,
-    capture_output=True,
-    text=True,
-    timeout=600,
-    cwd=ROOT,
-  )
-  assert proc.returncode == 0, proc.stderr[-4000:]
-  return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr
-
-
 def test_fsdp_over_eight_devices_trains_as_data_parallel_and_resumes_on_four(tmp_path):
   """`config.mesh.fsdp=8` shards params and Adam's moments; the run resumes with fsdp=4."""
   eight, _ = _on_host_devices(8, _FSDP_ON_EIGHT, tmp_path, json.dumps(_SHARDED))
@@ -624,11 +618,7 @@ def test_two_processes_shard_as_one_process_of_their_devices(tmp_path):
   args += ["--config.checkpoint_every=6", "--config.mesh.fsdp=8"]
   codes, err = _finish(_two_processes(args, tmp_path / "two", devices_each=4))
   assert codes == [0, 0], err
-  env = {k: v for k, v in os.environ.items() if k != "MPJAX_POLICY"}
-  env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
-  command = [sys.executable, "-m", "mpjax.cli", *args, "--run_dir", str(tmp_path / "one")]
-  proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
-  assert proc.returncode == 0, proc.stderr[-3000:]
+  _cli_on_host_devices(8, args, tmp_path / "one")
   two, one = (json.loads((tmp_path / d / "summary.json").read_text()) for d in ("two", "one"))
   assert two["mesh"] == one["mesh"] == {"data": 1, "fsdp": 8}
   for key in ("loss", "test_loss", "test_accuracy"):
@@ -638,11 +628,8 @@ def test_two_processes_shard_as_one_process_of_their_devices(tmp_path):
   assert {"ocdbt.process_0", "ocdbt.process_1"} <= written, written
 
 
+@pytest.mark.usefixtures("gpu_compiler")
 def test_doctor_compiles_the_fsdp_step_for_h100_and_reports_its_collectives(capsys):
-  try:
-    importlib.metadata.version(mpjax.gpu.PLUGIN)
-  except importlib.metadata.PackageNotFoundError:
-    pytest.skip(f"needs XLA's CUDA compiler plugin ({mpjax.gpu.PLUGIN}) at jaxlib's version")
   argv = ["doctor", "digits_mlp", "--target", "h100", "--mesh", "data=2,fsdp=4"]
   assert cli.main([*argv, "--compare", "mixed_bf16"]) == 0
   out = capsys.readouterr().out

@@ -23,14 +23,7 @@ from mpjax import cli
 from mpjax import experiment as ex
 from mpjax.audit import audit_jaxpr, parse_compiled_gemms
 
-try:
-  importlib.metadata.version(mpjax.gpu.PLUGIN)
-except importlib.metadata.PackageNotFoundError:
-  pytest.skip(
-    "needs XLA's CUDA compiler plugin at jaxlib's version: pip install --no-deps "
-    f"{mpjax.gpu.PLUGIN}=={importlib.metadata.version('jaxlib')}",
-    allow_module_level=True,
-  )
+pytestmark = pytest.mark.usefixtures("gpu_compiler")  # compiles for GPU targets
 
 
 class Block(nn.Module):

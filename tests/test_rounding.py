@@ -321,15 +321,8 @@ def test_data_parallel_replicas_round_identically_over_eight_host_devices():
   assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-4000:]
 
 
+@pytest.mark.usefixtures("gpu_compiler")
 def test_h100_step_of_bf16_sr_costs_no_byte_and_no_kernel_per_leaf_over_nearest(tmp_path):
-  import importlib.metadata
-
-  import mpjax.gpu
-
-  try:
-    importlib.metadata.version(mpjax.gpu.PLUGIN)
-  except importlib.metadata.PackageNotFoundError:
-    pytest.skip(f"needs XLA's CUDA compiler plugin ({mpjax.gpu.PLUGIN})")
   sys.path.insert(0, str(os.path.join(os.path.dirname(__file__), "..", "scripts")))
   import state_memory
 
@@ -357,15 +350,8 @@ def test_h100_step_of_bf16_sr_costs_no_byte_and_no_kernel_per_leaf_over_nearest(
   assert r["fp32"]["cublaslt"]["split_k_bytes"] == 0
 
 
+@pytest.mark.usefixtures("gpu_compiler")
 def test_h100_update_of_many_leaves_is_one_fused_kernel_not_one_per_leaf():
-  import importlib.metadata
-
-  import mpjax.gpu
-
-  try:
-    importlib.metadata.version(mpjax.gpu.PLUGIN)
-  except importlib.metadata.PackageNotFoundError:
-    pytest.skip(f"needs XLA's CUDA compiler plugin ({mpjax.gpu.PLUGIN})")
   policy, tx, n = mpjax.get_policy("bf16_sr"), optax.adamw(1e-3), 512 * 512
   params = {f"w{i}": jax.ShapeDtypeStruct((512, 512), BF16) for i in range(8)}
   opt_state = jax.eval_shape(lambda p: mpjax.init_opt_state(tx, policy, p), params)
@@ -504,17 +490,11 @@ def test_bf16_storage_keeps_softmax_norms_and_the_loss_in_f32():
   assert dtypes == {"exp": {np.dtype(F32)}, "rsqrt": {np.dtype(F32)}, "log": {np.dtype(F32)}}
 
 
+@pytest.mark.usefixtures("gpu_compiler")
 @pytest.mark.parametrize("policy", ["bf16_sr", "pure_bf16"])
 def test_bf16_storage_runs_a_declared_f32_models_gemms_in_bf16_compiled_for_h100(policy):
-  import importlib.metadata
-
-  import mpjax.gpu
   from mpjax.audit import parse_compiled_gemms
 
-  try:
-    importlib.metadata.version(mpjax.gpu.PLUGIN)
-  except importlib.metadata.PackageNotFoundError:
-    pytest.skip(f"needs XLA's CUDA compiler plugin ({mpjax.gpu.PLUGIN})")
   step, state, tokens = _declares_f32_step(policy)
   hlo = mpjax.compile_for(step, state, tokens, target="h100").as_text()
   gemms = parse_compiled_gemms(hlo)

@@ -93,8 +93,6 @@ def test_a_sharded_step_keeps_every_leafs_layout_and_compiles_once(axes):
 
 def _fsdp_parts(policy, fsdp=8):
   """An MLP's train step, its state and batch sharded over ``fsdp`` H100s (abstract values)."""
-  import importlib.metadata
-
   import jax
   import jax.numpy as jnp
   import optax
@@ -102,12 +100,6 @@ def _fsdp_parts(policy, fsdp=8):
   from jax.sharding import PartitionSpec as P
 
   import mpjax
-  import mpjax.gpu
-
-  try:
-    importlib.metadata.version(mpjax.gpu.PLUGIN)
-  except importlib.metadata.PackageNotFoundError:
-    pytest.skip(f"needs XLA's CUDA compiler plugin ({mpjax.gpu.PLUGIN})")
 
   def loss_fn(params, batch):
     h = jax.nn.relu(batch["x"] @ params["w1"])
@@ -141,6 +133,7 @@ def _fsdp_step_for_h100(policy, fsdp=8):
     ("p=f32,c=bf16,reduce=bf16", "bfloat16"),
   ],
 )
+@pytest.mark.usefixtures("gpu_compiler")
 def test_reduce_dtype_is_the_dtype_of_every_gradient_reduction_compiled_for_8_h100s(spec, reduced):
   from mpjax.collectives import collective_report
 
@@ -157,9 +150,8 @@ def test_reduce_dtype_is_the_dtype_of_every_gradient_reduction_compiled_for_8_h1
   assert {c.dtype for c in report.collectives if c.kind == "all-gather"} == {"bfloat16"}
 
 
+@pytest.mark.usefixtures("gpu_compiler")
 def test_the_step_gathers_sharded_params_in_bf16_where_xla_would_gather_f32_jax_23543():
-  import importlib.metadata
-
   import jax
   import jax.numpy as jnp
   import optax
@@ -168,13 +160,8 @@ def test_the_step_gathers_sharded_params_in_bf16_where_xla_would_gather_f32_jax_
   from jax.sharding import PartitionSpec as P
 
   import mpjax
-  import mpjax.gpu
   from mpjax.collectives import collective_report
 
-  try:
-    importlib.metadata.version(mpjax.gpu.PLUGIN)
-  except importlib.metadata.PackageNotFoundError:
-    pytest.skip(f"needs XLA's CUDA compiler plugin ({mpjax.gpu.PLUGIN})")
   mesh = mpjax.target_mesh("h100", {"fsdp": 8})
 
   def loss_fn(params, batch):
@@ -208,6 +195,7 @@ def test_the_step_gathers_sharded_params_in_bf16_where_xla_would_gather_f32_jax_
   assert narrow.dtype == "bfloat16" and narrow.bytes == 1024 * 1024 * 2 and not narrow.flags
 
 
+@pytest.mark.usefixtures("gpu_compiler")
 def test_the_audit_and_the_kernel_report_of_a_sharded_step_read_its_collectives():
   import jax
 
