@@ -80,8 +80,12 @@ ENTERED = frozenset(
 )
 # What a primitive's name looks like (``pallas_call``, ``cudnn-fused-attention``...).
 _PRIMITIVE_NAME = re.compile(r"[A-Za-z_][\w\-]*")
-# Ops that only move data: a weight seen through one is still that weight.
-VIEWS = frozenset("reshape transpose broadcast_in_dim squeeze expand_dims slice".split())
+# Ops that only move data: a weight seen through one is still that weight (an FSDP model's
+# weight gathered where it is used, through a sharding constraint, too).
+VIEWS = frozenset(
+  "reshape transpose broadcast_in_dim squeeze expand_dims slice sharding_constraint mesh_cast "
+  "reshard".split()
+)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -99,7 +99,9 @@ class Policy:
       ``reduce_dtype``): ``jnp.float32``, or the compute dtype for half the
       bytes. Each GEMM's gradient writes it, so the reduce-scatter or
       all-reduce XLA makes of a sharded batch's partial sums moves it (under
-      ``shard_map``/``pmap`` the step's ``pmean`` casts to it). ``None``
+      ``shard_map``/``pmap`` the step's ``pmean`` casts to it). Under ``jit``
+      the gradients no GEMM writes (biases, norm scales: a few bytes) are
+      summed in f32 whatever it says. ``None``
       (default): as the GEMM writes, bf16 for bf16 on a GPU, f32 for fp16 and
       on a CPU.
     gather_dtype: the dtype sharded params travel in to the devices that

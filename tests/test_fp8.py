@@ -1080,3 +1080,31 @@ def test_a_state_made_for_another_model_is_refused_by_name(rows):
   wrong = state.replace(fp8=mpjax.Fp8State.initial(state.policy.fp8, rows))
   with pytest.raises(ValueError, match=f"holds the state of {rows} FP8 GEMMs.*train_step=step"):
     step(wrong, _batch())
+
+
+def test_a_weight_gathered_through_a_sharding_constraint_is_still_a_weight_in_fp8():
+  # An FSDP model gathers each weight where it is used (``with_sharding_constraint``); the
+  # weight stays the f32 master seen through a view: its GEMM is planned in FP8 and its amax is
+  # the master's, not a bf16 copy's.
+  from jax.sharding import Mesh, NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  replicated = NamedSharding(Mesh(np.array(jax.devices()[:1]), ("fsdp",)), P())
+  policy = mpjax.Policy(jnp.float32, jnp.bfloat16, jnp.float32, fp8=mpjax.Fp8Recipe(keep_bf16=()))
+  params = [jax.random.normal(jax.random.key(i), (32, 32)) / 6 for i in range(3)]
+  x = jax.random.normal(jax.random.key(9), (8, 32))
+  first_amax = float(jnp.max(jnp.abs(params[0])))
+  assert first_amax != float(jnp.max(jnp.abs(params[0].astype(jnp.bfloat16))))  # the premise
+
+  def loss_fn(params, x):
+    for w in params:
+      x = jax.nn.relu(x @ jax.lax.with_sharding_constraint(w, replicated))
+    return jnp.mean(x.astype(jnp.float32) ** 2)
+
+  step = jax.jit(mpjax.make_train_step(loss_fn))
+  state = mpjax.TrainState.create(
+    apply_fn=None, params=params, tx=optax.sgd(0.1), policy=policy, train_step=step, example_batch=x
+  )
+  state, _ = step(state, x)
+  assert state.fp8.gemms == 3
+  assert float(state.fp8.amax_history[0, 0, 1]) == first_amax

@@ -213,3 +213,28 @@ def test_the_audit_and_the_kernel_report_of_a_sharded_step_read_its_collectives(
   # One device's program: the audit of an unsharded step has no collective to read.
   single = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (compiled_state, batch))
   assert mpjax.audit(step, *single, target="h100").collectives.collectives == ()
+
+
+@pytest.mark.usefixtures("gpu_compiler")
+def test_fp16_and_fp8_weights_cross_the_wire_narrow_and_no_gradient_is_gathered_whole():
+  import jax.numpy as jnp
+
+  import mpjax
+  from mpjax.collectives import collective_report
+
+  def gathered(policy):
+    """Bytes per device of every all-gather, by dtype (a combined gather's parts apart)."""
+    report = collective_report(_fsdp_step_for_h100(policy), target="h100")
+    parts = [c.dtypes for c in report.collectives if c.kind == "all-gather" and c.bytes >= 1024]
+    return {d: sum(p.get(d, 0) for p in parts) for d in set().union(*parts)}
+
+  fp32 = gathered("fp32")
+  assert set(fp32) == {"float32"} and sum(fp32.values()) >= 2 * 256 * 1024 * 4  # the premise
+  # fp16 checks its gradients; the finite check must not concatenate the sharded f32 gradients
+  # (XLA gathered each whole onto every device: more bytes than fp32 moves).
+  fp16 = gathered("mixed_fp16")
+  assert "float32" not in fp16 and sum(fp16.values()) <= 0.52 * sum(fp32.values()), fp16
+  # Both weights in FP8: each travels in e4m3, a quarter of its f32 bytes.
+  fp8 = mpjax.Policy(jnp.float32, jnp.bfloat16, jnp.float32, fp8=mpjax.Fp8Recipe(keep_bf16=()))
+  fp8 = gathered(fp8)
+  assert fp8.get("float8_e4m3fn", 0) >= 2 * 256 * 1024 and "float32" not in fp8, fp8
