@@ -77,7 +77,6 @@ SLOW = {
   "tests/test_rounding.py::test_experiment_resumed_from_a_checkpoint": "trains a config twice",
   "tests/test_rounding.py::test_data_parallel_replicas_round": "8 host devices, two steps x2",
   "tests/test_rounding.py::test_h100_step_of_bf16_sr": "three whole-step GPU compiles",
-  "tests/test_examples.py::test_the_sharding_docs_fsdp_loops": "8 host devices, two trainings",
   "tests/test_sharded_numerics.py::test_bf16_gradient_reductions": "eight GPU compiles",
   "tests/test_sharded_numerics.py::test_a_sharded_bf16_sr_leaf": "8 host devices, three trainings",
   "tests/test_sharded_numerics.py::test_fp8_amax_of_a_sharded": "8 host devices, two trainings",
