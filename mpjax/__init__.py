@@ -17,6 +17,13 @@ from mpjax.data import load_dataset as load_dataset
 from mpjax.diagnose import NonFiniteReport as NonFiniteReport
 from mpjax.diagnose import UncheckedOp as UncheckedOp
 from mpjax.diagnose import UncheckedReport as UncheckedReport
+from mpjax.block_scaled import MXFP8 as MXFP8
+from mpjax.block_scaled import NVFP4 as NVFP4
+from mpjax.block_scaled import BlockQuantized as BlockQuantized
+from mpjax.block_scaled import BlockScaledRecipe as BlockScaledRecipe
+from mpjax.block_scaled import block_scaled_dot as block_scaled_dot
+from mpjax.block_scaled import dequantize_blocks as dequantize_blocks
+from mpjax.block_scaled import quantize_blocks as quantize_blocks
 from mpjax.diagnose import find_nonfinite as find_nonfinite
 from mpjax.diagnose import grad_health as grad_health
 from mpjax.diagnose import suggest_rules as suggest_rules
@@ -83,6 +90,13 @@ __all__ = [
   "DynamicLossScale",
   "Fp8Recipe",
   "Fp8State",
+  "BlockQuantized",
+  "BlockScaledRecipe",
+  "MXFP8",
+  "NVFP4",
+  "block_scaled_dot",
+  "dequantize_blocks",
+  "quantize_blocks",
   "LossScale",
   "NoOpLossScale",
   "POLICY_ENV_VAR",

@@ -32,6 +32,7 @@ from jax.extend import core as jcore
 
 from mpjax.collectives import CollectiveReport, collective_report
 from mpjax.gpu import compile_for, describe_gemm_backend, get_target, on_target
+from mpjax.gemm_equations import BLOCK_SCALED_PRIMITIVE
 from mpjax.hlo import (
   TENSOR_CORE_KINDS,
   CompiledGemm,
@@ -70,7 +71,9 @@ def _signature(op: str, lhs: Sequence[int], rhs: Sequence[int], out: Sequence[in
 
 def _row_signature(row: GemmRow) -> tuple:
   # A ragged dot becomes a loop of dots or a custom call of other sizes: it matches none.
-  op = {"dot_general": "dot", "conv_general_dilated": "conv"}.get(row.op, row.op)
+  op = {"dot_general": "dot", "conv_general_dilated": "conv", BLOCK_SCALED_PRIMITIVE: "dot"}.get(
+    row.op, row.op
+  )
   return _signature(op, row.lhs_shape, row.rhs_shape, row.out_shape, row.dims)
 
 
@@ -95,23 +98,41 @@ def _split_k_signature(signature: tuple) -> tuple:
   return ("dot", mn, batch * k)
 
 
+def _block_padded_signature(signature: tuple) -> tuple:
+  """A dot's signature with M, N and K rounded up to 128: XLA pads a block-scaled cuDNN GEMM's
+  operands to the 128-row tiles its scale layout comes in."""
+  if signature[0] != "dot":
+    return signature
+  _, batch, mn, k = signature
+  up = lambda n: -(-n // 128) * 128  # noqa: E731
+  return ("dot", batch, tuple(sorted(map(up, mn))), up(k))
+
+
 def _match(
   rows: Sequence[GemmRow], compiled: Sequence[CompiledGemm]
 ) -> tuple[list[CompiledGemm | None], list[CompiledGemm]]:
   """Pairs each row with a compiled GEMM of the same sizes (dtypes, then op_name break ties).
 
-  Exact sizes first; then, for rows left over, sizes up to split-K (a Triton
-  GEMM fusion that splits the contracting dim over a new batch dim); then
-  sizes up to XLA's padding of misaligned GEMMs.
+  Block-scaled rows first take the block-scaled cuDNN calls of their sizes (up
+  to XLA's padding of them to 128); then every row left: exact sizes first;
+  then, for rows left over, sizes up to split-K (a Triton GEMM fusion that
+  splits the contracting dim over a new batch dim); then sizes up to XLA's
+  padding of misaligned GEMMs.
   """
   unused = list(compiled)
   matched: list[CompiledGemm | None] = [None] * len(rows)
-  for loosen in (lambda s: s, _split_k_signature, _padded_signature):
+  block_scaled = lambda row, g: bool(row.block_scales) and g.kind == "cudnn_block_scaled"  # noqa: E731
+  passes = [(_block_padded_signature, block_scaled)] + [
+    (loosen, lambda row, g: True) for loosen in (lambda s: s, _split_k_signature, _padded_signature)
+  ]
+  for loosen, allowed in passes:
     for i, row in enumerate(rows):
       if matched[i] is not None:
         continue
       signature = loosen(_row_signature(row))
-      candidates = [g for g in unused if loosen(_gemm_signature(g)) == signature]
+      candidates = [
+        g for g in unused if allowed(row, g) and loosen(_gemm_signature(g)) == signature
+      ]
 
       def score(g: CompiledGemm, row: GemmRow = row) -> int:
         same_dtypes = {g.lhs_dtype, g.rhs_dtype} == {row.lhs_dtype, row.rhs_dtype}
@@ -176,7 +197,18 @@ def _flags(row: GemmRow, platform: str) -> tuple[Flag, ...]:
         "and back, slower than f32; accumulate in f32 (preferred_element_type=jnp.float32).",
       )
     )
-  if fp8 and row.compiled_dtypes is not None and not _compiled_fp8(row):
+  if row.block_scales and row.call_kind is not None and row.call_kind != "cudnn_block_scaled":
+    flags.append(
+      Flag(
+        "block-scaled-emulated",
+        f"a block-scaled GEMM ({short_dtype(row.lhs_dtype)}, scales {row.block_scales}) that "
+        f"compiled as {row.compiled_dtypes} ({row.call}): this GPU has no block-scaled Tensor "
+        "Cores (Blackwell, compute capability 10.x, has), so XLA dequantized the operands and "
+        "runs it at the bf16 rate or slower, the MXFP8/NVFP4 numerics with no speed-up; use "
+        "mixed_bf16 here, or mixed_fp8 (per-tensor FP8) on an H100.",
+      )
+    )
+  elif fp8 and row.compiled_dtypes is not None and not _compiled_fp8(row):
     multiplied = row.compiled_dtypes.split(" ->")[0]
     wider = max(multiplied.split(" x "), key=lambda d: int(re.sub(r"\D", "", d[:4]) or 0))
     flags.append(

@@ -26,11 +26,13 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.extend import core as jcore
 
 from mpjax._dtypes import is_castable_dtype as _castable
+from mpjax.block_scaled import BlockScaledRecipe, block_scaled_dot
 from mpjax.fp8 import Fp8Recipe, fp8_dot
 from mpjax.fp8_plan import Fp8Gemm, Fp8Run
 from mpjax.gemm import SAVED as _SAVED
 from mpjax.gemm import mixed_conv, mixed_dot, mixed_ragged_dot
 from mpjax.gemm_equations import gemm_flops
+from mpjax.hlo import dot_dims
 from mpjax.jax_compat import scan_layout, shard_map_manual_axes, source_info_util
 from mpjax.op_classes import ENTERED, FP16_RANGE, VIEWS, Rules, module_of, warn_unclassified
 from mpjax.policy import Policy
@@ -160,12 +162,13 @@ def _explicit(eqn: Any, compute: np.dtype) -> bool:
 
 def _fp8_gemm(
   ctx: EvalContext, eqn: Any, kinds: Sequence[int], path: str, policy: Policy
-) -> tuple[Fp8Recipe | None, jax.Array | None]:
+) -> tuple[Fp8Recipe | BlockScaledRecipe | None, jax.Array | None]:
   """The recipe (``None``: not in FP8) and delayed scales of a GEMM autocast lowers.
 
   FP8-eligible: a ``dot_general`` of which an operand is an input of the
   function (a layer's weight, or the model's input), outside ``custom_jvp``
-  and ``custom_vjp`` functions.
+  and ``custom_vjp`` functions; for a block-scaled recipe, one whose M, N and
+  K fit its blocks.
   """
   if (
     policy.fp8 is None
@@ -175,6 +178,12 @@ def _fp8_gemm(
     or INPUT not in kinds[:2]
   ):
     return None, None
+  if isinstance(policy.fp8, BlockScaledRecipe):
+    lhs, rhs = (v.aval.shape for v in eqn.invars[:2])
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    sizes = dot_dims(lhs, rhs, lc, rc, lb, rb)
+    if not policy.fp8.fits(sizes["M"], sizes["N"], sizes["K"]):
+      return None, None
   in_fp8, scales = ctx.fp8.next(Fp8Gemm(path, policy.fp8, ctx.stateless))
   return (policy.fp8 if in_fp8 else None), scales
 
@@ -185,7 +194,7 @@ def _lower(
   invals: list[Any],
   kinds: list[int],
   compute: np.dtype,
-  fp8: tuple[Fp8Recipe | None, jax.Array | None] = (None, None),
+  fp8: tuple[Fp8Recipe | BlockScaledRecipe | None, jax.Array | None] = (None, None),
 ):
   """A GEMM or convolution with compute-dtype operands and f32 accumulation (or FP8 ones)."""
   # Computed operands come cast already (see _eval_jaxpr), so that the backward
@@ -199,7 +208,9 @@ def _lower(
     (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
     dims = ((tuple(lc), tuple(rc)), (tuple(lb), tuple(rb)))
     recipe, scales = fp8
-    if recipe is not None:
+    if isinstance(recipe, BlockScaledRecipe):
+      out = block_scaled_dot(ops[0], ops[1], dims, recipe, compute)
+    elif recipe is not None:
       out = fp8_dot(ops[0], ops[1], scales, dims, recipe, compute, eqn.params.get("out_sharding"))
     else:
       reduce = ctx.policy.reduce_dtype
@@ -230,7 +241,7 @@ def _run_class(
   invals: list[Any],
   kinds: list[int],
   compute: np.dtype,
-  fp8: tuple[Fp8Recipe | None, jax.Array | None] = (None, None),
+  fp8: tuple[Fp8Recipe | BlockScaledRecipe | None, jax.Array | None] = (None, None),
 ) -> list[Any]:
   if cls == "lower" and not _explicit(eqn, compute):
     return _lower(ctx, eqn, invals, kinds, compute, fp8)

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 import jax
 
+from mpjax.block_scaled import BlockScaledRecipe
 from mpjax.fp8 import Fp8Recipe
 
 
@@ -23,7 +24,7 @@ class Fp8Gemm:
   """An FP8-eligible GEMM, as one evaluation met it (in program order)."""
 
   path: str
-  recipe: Fp8Recipe
+  recipe: Fp8Recipe | BlockScaledRecipe
   stateless: bool  # in a loop body: current scaling, no delayed state
 
 
@@ -46,7 +47,12 @@ class Fp8Run:
 
   def delayed(self, gemm: Fp8Gemm) -> bool:
     """Whether an FP8 GEMM keeps delayed state: outside loops, under the state's recipe."""
-    return not gemm.stateless and gemm.recipe == self.recipe and gemm.recipe.scaling == "delayed"
+    return (
+      not gemm.stateless
+      and gemm.recipe == self.recipe
+      and isinstance(gemm.recipe, Fp8Recipe)
+      and gemm.recipe.scaling == "delayed"
+    )
 
   def next(self, gemm: Fp8Gemm) -> tuple[bool, jax.Array | None]:
     """Whether the next eligible GEMM runs in FP8, and its scales (None: current scaling)."""

@@ -10,8 +10,15 @@ import math
 from typing import Any
 
 
+BLOCK_SCALED_PRIMITIVE = "scaled_matmul_wrapper"
+"""The primitive of :func:`jax.nn.scaled_matmul`: ``(B, M, K) x (B, N, K) -> (B, M, N)`` of
+block-quantized operands, with their scales as two more operands."""
+
+
 def dot_numbers(eqn: Any) -> Any:
-  """A dot's ``((lhs, rhs) contracting, (lhs, rhs) batch)`` dims, ragged or not."""
+  """A dot's ``((lhs, rhs) contracting, (lhs, rhs) batch)`` dims, ragged, block-scaled or not."""
+  if eqn.primitive.name == BLOCK_SCALED_PRIMITIVE:
+    return ((2,), (2,)), ((0,), (0,))
   if eqn.primitive.name == "ragged_dot_general":
     return eqn.params["ragged_dot_dimension_numbers"].dot_dimension_numbers
   return eqn.params["dimension_numbers"]
@@ -21,7 +28,7 @@ def gemm_flops(eqn: Any) -> float:
   """The FLOPs (2 per multiply-add) of a GEMM or convolution equation; 0 for any other."""
   name = eqn.primitive.name
   out = math.prod(eqn.outvars[0].aval.shape)
-  if name in ("dot_general", "ragged_dot_general"):
+  if name in ("dot_general", "ragged_dot_general", BLOCK_SCALED_PRIMITIVE):
     (lc, _), _ = dot_numbers(eqn)
     lhs = eqn.invars[0].aval.shape
     flops = 2.0 * out * math.prod(lhs[d] for d in lc)

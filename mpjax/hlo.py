@@ -48,7 +48,11 @@ __all__ = [
 ]
 
 # The calls that run a GEMM on Tensor Cores (or the matrix units of the GPU at hand).
-TENSOR_CORE_KINDS = frozenset({"cublas_lt", "cublas_lt_f8", "cublas", "triton_gemm", "cudnn"})
+TENSOR_CORE_KINDS = frozenset(
+  {"cublas_lt", "cublas_lt_f8", "cublas", "triton_gemm", "cudnn", "cudnn_block_scaled"}
+)
+BLOCK_SCALED_CALL = "__cudnn$blockScaledDot"
+"""cuDNN's block-scaled GEMM (MXFP8, NVFP4), what XLA makes of a block-scaled dot on Blackwell."""
 
 # --------------------------------------------------------------------------- dtypes
 
@@ -466,7 +470,7 @@ def _accumulation(
     return {"TF32": "f32"}.get(named.group(1), named.group(1).lower())
   if out_dtype in ("float32", "float64", "complex64", "complex128"):
     return short_dtype(out_dtype)
-  if kind == "cublas_lt_f8":
+  if kind in ("cublas_lt_f8", "cudnn_block_scaled"):  # FP8/FP4 Tensor Core GEMMs sum in f32
     return "f32"
   unset = algorithm in ("", "ALG_UNSET")
   if unset and kind in ("cublas_lt", "cublas", "triton_gemm") and is_half(lhs_dtype):
@@ -487,7 +491,9 @@ def _gemm_of(
   (lhs_t, lhs), (rhs_t, rhs) = arrays
   is_conv = instr.opcode == "convolution" or (instr.opcode == "custom-call" and kind == "cudnn")
   dims: dict[str, int] = {}
-  if is_conv:
+  if kind == "cudnn_block_scaled":  # (B, M, K) x (B, N, K), its scales the next two operands
+    dims = dot_dims(lhs, rhs, [2], [2], [0], [0])
+  elif is_conv:
     target = call if instr.opcode == "custom-call" else ""
     dims = conv_dims(instr.attrs.get("dim_labels", ""), lhs, rhs, out[1], target)
   else:
@@ -531,6 +537,8 @@ def _custom_call_kind(target: str) -> str | None:
     return "cublas"
   if target.startswith("__cudnn$conv"):
     return "cudnn"
+  if target == BLOCK_SCALED_CALL:
+    return "cudnn_block_scaled"
   return None
 
 

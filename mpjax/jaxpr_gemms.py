@@ -25,13 +25,18 @@ import jax
 import numpy as np
 from jax.extend import core as jcore
 
-from mpjax.gemm_equations import dot_numbers, gemm_flops
+from mpjax.gemm_equations import BLOCK_SCALED_PRIMITIVE, dot_numbers, gemm_flops
 from mpjax.hlo import GemmOperands, dot_dims, is_fp8, is_half, short_dtype
 from mpjax.jax_compat import shard_map_manual_axes
 
 __all__ = ["Flag", "GemmRow", "jaxpr_custom_kernels", "jaxpr_gemms"]
 
-_GEMM_PRIMITIVES = ("dot_general", "ragged_dot_general", "conv_general_dilated")
+_GEMM_PRIMITIVES = (
+  "dot_general",
+  "ragged_dot_general",
+  "conv_general_dilated",
+  BLOCK_SCALED_PRIMITIVE,
+)
 # Primitives that hold a kernel's own program (one grid block of it): a custom call once compiled.
 _KERNEL_PRIMITIVES = ("pallas_call",)
 
@@ -53,8 +58,9 @@ class GemmRow(GemmOperands):
   """One GEMM or convolution of the audited program.
 
   Attributes:
-    op: ``"dot_general"``, ``"ragged_dot_general"`` (grouped GEMMs) or
-      ``"conv_general_dilated"``.
+    op: ``"dot_general"``, ``"ragged_dot_general"`` (grouped GEMMs),
+      ``"conv_general_dilated"`` or ``"scaled_matmul_wrapper"`` (a block-scaled
+      GEMM, :func:`jax.nn.scaled_matmul`: ``(B, M, K) x (B, N, K)``).
     path: the module path (the equation's name stack, e.g.
       ``"transpose(jvp(MLP))/Dense_1"``; empty at the top level).
     lhs_shape: the left operand's shape.
@@ -92,6 +98,8 @@ class GemmRow(GemmOperands):
     fast: whether it is on the fast path: half-precision operands (FP8 ones
       still FP8 in the compiled GEMM), f32 accumulation, aligned, and on a GPU
       a Tensor Core call.
+    block_scales: a block-scaled GEMM's scales, e.g. ``"f8_e8m0fnu per 32"``;
+      empty for any other.
   """
 
   op: str
@@ -109,6 +117,7 @@ class GemmRow(GemmOperands):
   accumulation: str | None = None
   flags: tuple[Flag, ...] = ()
   fast: bool = False
+  block_scales: str = ""
 
   @property
   def dtypes(self) -> str:
@@ -196,6 +205,10 @@ def _row(eqn: Any, path: str, count: int, note: str, fp8_of: Mapping[Any, np.dty
     f"{d}={dims[d]}" for d in checked if alignment is not None and dims[d] % alignment
   )
   flops = gemm_flops(eqn)
+  block_scales = ""
+  if eqn.primitive.name == BLOCK_SCALED_PRIMITIVE:
+    scales = eqn.invars[2].aval
+    block_scales = f"{short_dtype(scales.dtype)} per {lhs.shape[-1] // scales.shape[-1]}"
   return GemmRow(
     op=eqn.primitive.name,
     path=path,
@@ -212,6 +225,7 @@ def _row(eqn: Any, path: str, count: int, note: str, fp8_of: Mapping[Any, np.dty
     count=count,
     flops=flops * count,
     note=note,
+    block_scales=block_scales,
   )
 
 

@@ -21,6 +21,7 @@ import numpy as np
 from jax.typing import DTypeLike
 
 from mpjax._dtypes import cast_floating
+from mpjax.block_scaled import MXFP8, NVFP4, BlockScaledRecipe
 from mpjax.fp8 import Fp8Recipe
 from mpjax.rounding import ROUNDINGS
 
@@ -80,7 +81,9 @@ class Policy:
     output_dtype: dtype of what the model returns.
     fp8: an :class:`mpjax.Fp8Recipe` to run the GEMMs of layers in FP8
       (under :func:`mpjax.autocast` and :func:`mpjax.make_train_step`), the
-      rest as the dtypes say; ``None`` (default) for no FP8. It needs
+      rest as the dtypes say, or an :class:`mpjax.BlockScaledRecipe` to run
+      them block-scaled (MXFP8, NVFP4: Blackwell's Tensor Cores); ``None``
+      (default) for neither. It needs
       ``compute_dtype`` bf16 or f16 (what FP8 values are widened to).
     opt_state_dtype: dtype the optimizer's per-parameter state (Adam's
       moments, a momentum) is stored in, e.g. ``jnp.bfloat16`` for half its
@@ -126,7 +129,7 @@ class Policy:
   param_dtype: DTypeLike
   compute_dtype: DTypeLike
   output_dtype: DTypeLike
-  fp8: Fp8Recipe | None = None
+  fp8: Fp8Recipe | BlockScaledRecipe | None = None
   opt_state_dtype: DTypeLike | None = None
   rounding: str = "nearest"
   reduce_dtype: DTypeLike | None = None
@@ -141,9 +144,11 @@ class Policy:
     _check_rounding(self)
     _check_collectives(self)
     if self.fp8 is not None:
-      if not isinstance(self.fp8, Fp8Recipe):
+      if not isinstance(self.fp8, Fp8Recipe | BlockScaledRecipe):
         raise ValueError(
-          f"Policy fp8={self.fp8!r} is not an mpjax.Fp8Recipe; pass mpjax.Fp8Recipe(...) or None."
+          f"Policy fp8={self.fp8!r} is not an mpjax.Fp8Recipe or mpjax.BlockScaledRecipe; pass "
+          "mpjax.Fp8Recipe(...) (one scale per tensor), mpjax.BlockScaledRecipe(...) (MXFP8, "
+          "NVFP4) or None."
         )
       if not self.is_mixed:
         raise ValueError(
@@ -288,6 +293,8 @@ PRESETS: dict[str, Policy] = {
   "mixed_bf16": Policy(_F32, _BF16, _F32),
   "mixed_fp16": Policy(_F32, _F16, _F32),
   "mixed_fp8": Policy(_F32, _BF16, _F32, fp8=Fp8Recipe()),
+  "mixed_mxfp8": Policy(_F32, _BF16, _F32, fp8=MXFP8),
+  "mixed_nvfp4": Policy(_F32, _BF16, _F32, fp8=NVFP4),
   "pure_bf16": Policy(_BF16, _BF16, _BF16),
   "bf16_sr": Policy(_BF16, _BF16, _F32, opt_state_dtype=_BF16, rounding="stochastic"),
   "bf16_kahan": Policy(_BF16, _BF16, _F32, opt_state_dtype=_BF16, rounding="kahan"),
@@ -532,7 +539,10 @@ def get_policy(spec: Policy | str | Any = "mixed_bf16") -> Policy:
   Presets: ``"fp32"``; ``"mixed_bf16"`` (params f32, compute bf16, output f32);
   ``"mixed_fp16"`` (the same with fp16); ``"mixed_fp8"`` (``"mixed_bf16"``
   with the GEMMs of layers in FP8: E4M3 operands, E5M2 gradients, delayed
-  scaling in a train step, see :class:`mpjax.Fp8Recipe`); ``"pure_bf16"`` (all bf16);
+  scaling in a train step, see :class:`mpjax.Fp8Recipe`); ``"mixed_mxfp8"`` and
+  ``"mixed_nvfp4"`` (the same GEMMs block-scaled, :data:`mpjax.MXFP8` and
+  :data:`mpjax.NVFP4`: native on Blackwell, emulated at the bf16 rate
+  elsewhere, so ``"auto"`` never picks them); ``"pure_bf16"`` (all bf16);
   ``"bf16_sr"`` (params and optimizer state stored in bf16, half of
   ``"mixed_bf16"``'s train state, every write rounded stochastically; compute
   bf16, output f32); ``"bf16_kahan"`` (the same with Kahan-compensated params:

@@ -1,0 +1,481 @@
+"""Block-scaled FP8 and FP4 GEMMs (MXFP8, NVFP4): one scale per small block of the contraction.
+
+Per-tensor FP8 (:mod:`mpjax.fp8`) gives a whole tensor one scale, so one
+outlier shrinks every other value toward the format's subnormals. Block
+scaling gives each run of ``block_size`` consecutive values along the
+contraction its own scale, which Blackwell's Tensor Cores (sm_100) apply inside
+the GEMM:
+
+- **MXFP8** (the OCP Microscaling spec): E4M3 values, one E8M0 scale (a power of
+  two) per 32. NVIDIA's recipe (arXiv 2506.08027; Transformer Engine's
+  ``MXFP8BlockScaling``) uses E4M3 for gradients too and rounds each scale up,
+  so no value of a block saturates.
+- **NVFP4**: E2M1 values (6 at most), one E4M3 scale per 16, and an f32 scale
+  per tensor that brings the block scales into E4M3's range.
+
+A block-scaled GEMM multiplies quantized operands whose blocks run along its
+contraction, so each of a layer's three GEMMs needs its operands blocked along
+another dimension: the forward ``y = x @ w`` blocks ``x`` and ``w`` along K;
+the input gradient ``dx = g @ w.T`` blocks ``g`` and ``w`` along N; the weight
+gradient ``dw = x.T @ g`` blocks ``x`` and ``g`` along M. The forward pass
+saves ``x`` and ``w`` quantized along M and N (Transformer Engine's
+"columnwise" copies, one byte a value), which is all the backward GEMMs read:
+the saved activations are half of a bf16 GEMM's.
+
+On a GPU each GEMM is :func:`jax.nn.scaled_matmul`, which XLA compiles for a
+Blackwell GPU to one cuDNN call, ``__cudnn$blockScaledDot``. For a GPU without
+block-scaled Tensor Cores (H100, A100) XLA dequantizes the operands and runs a
+bf16 GEMM: the numerics of the recipe, at no more than the bf16 rate; the audit
+flags each such GEMM ``block-scaled-emulated``. On a CPU (and a TPU) the
+operands are dequantized into bf16, exactly (an E4M3 or E2M1 value times its
+block scale is a bf16 value), and multiplied by the bf16 x bf16 -> f32 kernel:
+the same products, summed in f32. Quantization is the same code everywhere, so
+its numerics can be unit-tested on a CPU bit for bit.
+
+f32 inputs below f32's normal range (subnormals, under 2**-126) count as zero,
+as XLA's f32 arithmetic flushes them on the CPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import functools
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mpjax._backend import lowering_platform
+from mpjax.gemm import forward_gemm
+
+__all__ = [
+  "BlockScaledRecipe",
+  "BlockQuantized",
+  "MXFP8",
+  "NVFP4",
+  "block_scaled_dot",
+  "dequantize_blocks",
+  "quantize_blocks",
+]
+
+ELEMENT_FORMATS: dict[str, Any] = {
+  "e4m3": jnp.float8_e4m3fn,
+  "e5m2": jnp.float8_e5m2,
+  "e2m1": jnp.float4_e2m1fn,
+}
+"""The element formats a recipe names, and their dtypes."""
+
+SCALE_FORMATS: dict[str, Any] = {"e8m0": jnp.float8_e8m0fnu, "e4m3": jnp.float8_e4m3fn}
+"""The block-scale formats a recipe names, and their dtypes."""
+
+SCALE_ROUNDINGS = ("up", "floor", "nearest")
+BACKWARDS = ("same", "mxfp8", "bf16")
+
+# (B, M, K) x (B, N, K) -> (B, M, N): the form every block-scaled GEMM takes.
+_BMK = (((2,), (2,)), ((0,), (0,)))
+
+
+def _choice(field: str, value: Any, accepted: tuple[str, ...]) -> None:
+  if value not in accepted:
+    near = difflib.get_close_matches(str(value), accepted, n=1)
+    hint = f" Did you mean {near[0]!r}?" if near else ""
+    raise ValueError(
+      f"BlockScaledRecipe: {field}={value!r} is not one of "
+      f"{', '.join(map(repr, accepted))}.{hint}"
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockScaledRecipe:
+  """How a policy's block-scaled GEMMs quantize, and which GEMMs stay in the compute dtype.
+
+  The GEMMs it runs are those :class:`mpjax.Fp8Recipe` would run in FP8 (a
+  ``dot_general`` of which an operand is a weight or the model's input), whose
+  M, N and K are multiples of ``block_size`` (each is the contraction of one
+  of the three GEMMs); the others stay in the compute dtype. The defaults are
+  NVIDIA's MXFP8 recipe (:data:`MXFP8`); :data:`NVFP4` is NVIDIA's NVFP4 one.
+
+  Attributes:
+    element_format: the values' format: ``"e4m3"``, ``"e5m2"`` or ``"e2m1"`` (FP4).
+    scale_format: the block scales' format: ``"e8m0"`` (a power of two, MX)
+      or ``"e4m3"`` (NVFP4).
+    block_size: how many consecutive values along the contraction share a
+      scale (32 for MX, 16 for NVFP4).
+    scale_rounding: how an E8M0 scale is chosen from a block's largest
+      magnitude ``amax``: ``"up"`` (NVIDIA's recipe: the smallest power of two
+      ``s`` with ``amax / s`` within the format, so nothing saturates) or
+      ``"floor"`` (the OCP MX spec's ``2**(floor(log2 amax) - emax)``, where
+      the largest values of a block may saturate). An E4M3 scale is
+      ``amax / max`` rounded to nearest: ``"nearest"``.
+    tensor_scale: whether an f32 scale per tensor brings the block scales
+      into the scale format's range (NVFP4's second level), taken from the
+      tensor's amax when it is quantized.
+    backward: the backward GEMMs' recipe: ``"same"`` as the forward,
+      ``"mxfp8"`` (:data:`MXFP8`), or ``"bf16"`` (the compute dtype).
+    keep_bf16: GEMMs that stay in the compute dtype, as
+      :attr:`mpjax.Fp8Recipe.keep_bf16`: ``"first"``, ``"last"`` and
+      name-stack globs.
+
+  Raises:
+    ValueError: for a value not among the accepted ones (the message lists
+      them), a block size that is not a positive integer, or a rounding the
+      scale format does not have.
+
+  Example:
+    >>> import jax.numpy as jnp, mpjax
+    >>> recipe = mpjax.BlockScaledRecipe(keep_bf16=("last",))
+    >>> policy = mpjax.Policy(jnp.float32, jnp.bfloat16, jnp.float32, fp8=recipe)
+    >>> mpjax.get_policy("mixed_mxfp8").fp8.name, mpjax.get_policy("mixed_nvfp4").fp8.name
+    ('mxfp8', 'nvfp4')
+  """
+
+  element_format: str = "e4m3"
+  scale_format: str = "e8m0"
+  block_size: int = 32
+  scale_rounding: str = "up"
+  tensor_scale: bool = False
+  backward: str = "same"
+  keep_bf16: tuple[str, ...] = ("first", "last")
+
+  def __post_init__(self):
+    _choice("element_format", self.element_format, tuple(ELEMENT_FORMATS))
+    _choice("scale_format", self.scale_format, tuple(SCALE_FORMATS))
+    _choice("scale_rounding", self.scale_rounding, SCALE_ROUNDINGS)
+    _choice("backward", self.backward, BACKWARDS)
+    if (
+      isinstance(self.block_size, bool)
+      or not isinstance(self.block_size, int | np.integer)
+      or self.block_size < 1
+    ):
+      raise ValueError(
+        f"BlockScaledRecipe: block_size={self.block_size!r} must be a positive integer "
+        "(32 for MXFP8, 16 for NVFP4)."
+      )
+    e8m0 = self.scale_format == "e8m0"
+    if e8m0 == (self.scale_rounding == "nearest"):
+      accepted = "'up' or 'floor'" if e8m0 else "'nearest'"
+      raise ValueError(
+        f"BlockScaledRecipe: scale_rounding={self.scale_rounding!r} with "
+        f"scale_format={self.scale_format!r}: an {self.scale_format} scale rounds {accepted}."
+      )
+    keep = (self.keep_bf16,) if isinstance(self.keep_bf16, str) else self.keep_bf16
+    if not all(isinstance(k, str) for k in keep):
+      raise ValueError(
+        f"BlockScaledRecipe: keep_bf16={self.keep_bf16!r} must be a tuple of 'first', 'last' "
+        "and name-stack globs such as '*/head/*'."
+      )
+    object.__setattr__(self, "keep_bf16", tuple(keep))
+    object.__setattr__(self, "block_size", int(self.block_size))
+    object.__setattr__(self, "tensor_scale", bool(self.tensor_scale))
+
+  @property
+  def name(self) -> str:
+    """``"mxfp8"``, ``"nvfp4"``, or the formats spelled out for another recipe."""
+    if self.same_numerics(MXFP8):
+      return "mxfp8"
+    if self.same_numerics(NVFP4):
+      return "nvfp4"
+    return f"{self.element_format}/{self.scale_format}x{self.block_size}"
+
+  def same_numerics(self, other: BlockScaledRecipe) -> bool:
+    """Whether ``other`` quantizes the forward GEMMs as this recipe does."""
+    fields = ("element_format", "scale_format", "block_size", "scale_rounding", "tensor_scale")
+    return all(getattr(self, f) == getattr(other, f) for f in fields)
+
+  @property
+  def element_dtype(self) -> np.dtype:
+    """The dtype of the quantized values."""
+    return np.dtype(ELEMENT_FORMATS[self.element_format])
+
+  @property
+  def scale_dtype(self) -> np.dtype:
+    """The dtype of the block scales."""
+    return np.dtype(SCALE_FORMATS[self.scale_format])
+
+  @property
+  def backward_recipe(self) -> BlockScaledRecipe | None:
+    """The recipe of the backward GEMMs; ``None`` where they run in the compute dtype."""
+    return {"same": self, "mxfp8": MXFP8, "bf16": None}[self.backward]
+
+  def fits(self, m: int, n: int, k: int) -> bool:
+    """Whether a GEMM of these sizes can run block-scaled, forward and backward.
+
+    M, N and K are each the contraction of one of the three GEMMs, so each
+    must be a multiple of the block size (the backward recipe's too).
+    """
+    sizes = [self.block_size]
+    if self.backward_recipe is not None:
+      sizes.append(self.backward_recipe.block_size)
+    return all(d % b == 0 for d in (m, n, k) for b in sizes)
+
+
+MXFP8 = BlockScaledRecipe()
+"""NVIDIA's MXFP8 recipe: E4M3 values forward and backward, an E8M0 scale per 32 rounded up."""
+
+NVFP4 = BlockScaledRecipe(
+  element_format="e2m1",
+  scale_format="e4m3",
+  block_size=16,
+  scale_rounding="nearest",
+  tensor_scale=True,
+  backward="mxfp8",
+)
+"""NVIDIA's NVFP4 recipe for the forward GEMMs (E2M1 values, an E4M3 scale per 16, an f32 scale
+per tensor), with the first and last GEMM in bf16. Its backward GEMMs run in MXFP8: NVIDIA's
+recipe quantizes gradients to FP4 only with stochastic rounding and random Hadamard transforms
+of the weight-gradient GEMM's operands, which mpjax does not build."""
+
+
+class BlockQuantized(NamedTuple):
+  """A tensor quantized in blocks along its last dimension.
+
+  Attributes:
+    values: the quantized values, in the element dtype, the tensor's shape.
+    scales: one per block: shape ``(..., K // block_size)``, in the scale dtype.
+    tensor_scale: an f32 scalar multiplying every value (NVFP4), or ``None``.
+  """
+
+  values: jax.Array
+  scales: jax.Array
+  tensor_scale: jax.Array | None
+
+
+def _format_max(dtype: Any) -> float:
+  return float(jnp.finfo(dtype).max)
+
+
+def _e8m0_scales(amax: jax.Array, element: np.dtype, rounding: str) -> jax.Array:
+  """The E8M0 codes (uint8) of the blocks' scales, from their f32 amaxes, exactly.
+
+  With ``amax = m * 2**E`` (``1 <= m < 2``) and the format's largest value
+  ``fmax = mmax * 2**emax``, ``floor`` gives ``2**(E - emax)``, ``up`` one
+  power more where ``m > mmax``: read from amax's bits, no rounding anywhere.
+  A zero amax gets the smallest scale, ``2**-127``; an inf or NaN one NaN.
+  """
+  fmax = _format_max(element)
+  emax = math.floor(math.log2(fmax))
+  mmax_bits = int(round((fmax / 2**emax - 1) * 2**23))
+  bits = jax.lax.bitcast_convert_type(amax, jnp.uint32).astype(jnp.int32)
+  biased, mantissa = bits >> 23, bits & 0x7FFFFF
+  exponent = biased - 127 - emax
+  if rounding == "up":
+    exponent = exponent + (mantissa > mmax_bits).astype(jnp.int32)
+  code = jnp.clip(exponent, -127, 127) + 127
+  code = jnp.where(biased == 0, 0, code)  # zero (subnormals are flushed)
+  return jnp.where(biased == 255, 255, code).astype(jnp.uint8)
+
+
+def quantize_blocks(x: jax.Array, recipe: BlockScaledRecipe) -> BlockQuantized:
+  """``x`` quantized in blocks of ``recipe.block_size`` along its last dimension.
+
+  Each block's scale comes from its largest magnitude (amax); each value is
+  divided by its scale (and the tensor scale) in f32 and cast to the element
+  format, saturating: beyond the format's range becomes its largest value, NaN
+  stays NaN (for E2M1, which has no NaN, its block's scale is NaN). MX scales
+  are exact powers of two (see :class:`BlockScaledRecipe` for the rounding);
+  an E4M3 scale is ``amax / max`` rounded to nearest.
+
+  Args:
+    x: a float array whose last dimension is a multiple of the block size.
+    recipe: the formats and block size.
+
+  Returns:
+    The :class:`BlockQuantized` tensor.
+
+  Raises:
+    ValueError: where the last dimension is not a multiple of the block size.
+
+  Example:
+    >>> import jax.numpy as jnp, mpjax
+    >>> x = jnp.array([[1.0] * 31 + [500.0]])
+    >>> q = mpjax.quantize_blocks(x, mpjax.MXFP8)
+    >>> q.scales.astype(jnp.float32).tolist(), q.values[0, -1].astype(jnp.float32).item()
+    ([[2.0]], 250.0)
+  """
+  block = recipe.block_size
+  if x.ndim == 0 or x.shape[-1] % block:
+    raise ValueError(
+      f"quantize_blocks: the last dimension of a {x.shape} array is not a multiple of the "
+      f"block size {block}; pad it, or leave this GEMM in the compute dtype."
+    )
+  element = recipe.element_dtype
+  fmax = _format_max(element)
+  blocks = x.astype(jnp.float32).reshape(*x.shape[:-1], x.shape[-1] // block, block)
+  amax = jnp.max(jnp.abs(blocks), axis=-1)
+  tensor_scale = None
+  if recipe.scale_format == "e8m0":
+    codes = _e8m0_scales(amax, element, recipe.scale_rounding)
+    scales = jax.lax.bitcast_convert_type(codes, jnp.float8_e8m0fnu)
+    # 1 / scale from the code's bits: 2**(127 - code) is an f32 normal for codes 0..253.
+    inverse_bits = (254 - jnp.minimum(codes.astype(jnp.int32), 253)) << 23
+    inverse = jax.lax.bitcast_convert_type(inverse_bits, jnp.float32)
+    inverse = jnp.where(codes == 255, jnp.nan, inverse)
+  else:
+    smax = _format_max(recipe.scale_dtype)
+    if recipe.tensor_scale:
+      whole = jnp.max(amax)
+      tensor_scale = jnp.where(whole > 0, whole / jnp.float32(fmax * smax), 1.0)
+      tensor_scale = jnp.where(jnp.isfinite(whole), tensor_scale, jnp.nan).astype(jnp.float32)
+      amax = amax / tensor_scale
+    scales = jnp.clip(amax / jnp.float32(fmax), -smax, smax).astype(recipe.scale_dtype)
+    divisor = scales.astype(jnp.float32)
+    if tensor_scale is not None:
+      divisor = divisor * tensor_scale
+    inverse = jnp.where(divisor == 0, 0.0, 1.0 / divisor)
+    inverse = jnp.where(jnp.isnan(divisor), jnp.nan, inverse)
+  scaled = blocks * inverse[..., None]
+  values = jnp.clip(scaled, -fmax, fmax).astype(element).reshape(x.shape)
+  return BlockQuantized(values, scales, tensor_scale)
+
+
+def dequantize_blocks(q: BlockQuantized, dtype: Any = jnp.float32) -> jax.Array:
+  """The values a :class:`BlockQuantized` tensor stands for, in ``dtype``.
+
+  In bf16 (and f32) the block's product is exact: an E4M3 or E2M1 value
+  times an E8M0 or E4M3 scale has at most 6 significant bits. The tensor
+  scale (NVFP4) multiplies it after, in ``dtype``.
+
+  Example:
+    >>> import jax.numpy as jnp, mpjax
+    >>> x = jnp.arange(64.0).reshape(2, 32)
+    >>> bool((mpjax.dequantize_blocks(mpjax.quantize_blocks(x, mpjax.MXFP8)) == x).all())
+    True
+  """
+  values, scales, tensor_scale = q
+  blocks = scales.shape[-1]
+  shaped = values.astype(dtype).reshape(*values.shape[:-1], blocks, values.shape[-1] // blocks)
+  out = (shaped * scales.astype(dtype)[..., None]).reshape(values.shape)
+  return out if tensor_scale is None else out * tensor_scale.astype(dtype)
+
+
+def _matmul(a: BlockQuantized, b: BlockQuantized, dtype: Any, platform: str) -> jax.Array:
+  """``(B, M, K) x (B, N, K) -> (B, M, N)`` of block-quantized operands, in ``dtype``.
+
+  On a GPU :func:`jax.nn.scaled_matmul` (cuDNN's block-scaled GEMM on
+  Blackwell); elsewhere the operands dequantized into bf16 (exactly) and the
+  bf16 x bf16 -> f32 GEMM. The tensor scales multiply the f32 result.
+  """
+  scaled = a.tensor_scale is not None or b.tensor_scale is not None
+  written = jnp.float32 if scaled or platform != "gpu" else dtype
+  if platform == "gpu":
+    out = jax.nn.scaled_matmul(a.values, b.values, a.scales, b.scales, written)
+  else:
+    a_bf16 = dequantize_blocks(BlockQuantized(a.values, a.scales, None), jnp.bfloat16)
+    b_bf16 = dequantize_blocks(BlockQuantized(b.values, b.scales, None), jnp.bfloat16)
+    out = forward_gemm(a_bf16, b_bf16, _BMK, jnp.float32, None, platform)
+  for t in (a.tensor_scale, b.tensor_scale):
+    if t is not None:
+      out = out * t
+  return out.astype(dtype)
+
+
+def _plain_matmul(a: jax.Array, b: jax.Array, dtype: Any, platform: str) -> jax.Array:
+  return forward_gemm(a, b, _BMK, dtype, None, platform)
+
+
+def _to_bmk(x: jax.Array, contract: tuple[int, ...], batch: tuple[int, ...]) -> jax.Array:
+  """``x`` as ``(batch, free, contract)``, each group flattened, in dot_general's order."""
+  free = [d for d in range(x.ndim) if d not in contract and d not in batch]
+  shape = lambda dims: math.prod(x.shape[d] for d in dims)  # noqa: E731
+  moved = jnp.transpose(x, (*batch, *free, *contract))
+  return moved.reshape(shape(batch), shape(free), shape(contract))
+
+
+def _from_bmk(
+  y: jax.Array, shape: tuple[int, ...], contract: tuple[int, ...], batch: tuple[int, ...]
+) -> jax.Array:
+  """The inverse of :func:`_to_bmk`: a ``(B, M, K)`` array as an array of ``shape``."""
+  free = [d for d in range(len(shape)) if d not in contract and d not in batch]
+  order = (*batch, *free, *contract)
+  moved = y.reshape(tuple(shape[d] for d in order))
+  return jnp.transpose(moved, np.argsort(order))
+
+
+def _swap(x: jax.Array) -> jax.Array:
+  return jnp.swapaxes(x, 1, 2)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def block_scaled_dot(
+  lhs: jax.Array,
+  rhs: jax.Array,
+  dimension_numbers: Any,
+  recipe: BlockScaledRecipe,
+  compute_dtype: Any,
+) -> jax.Array:
+  """``lax.dot_general`` with block-scaled operands, forward and backward.
+
+  The forward GEMM multiplies ``lhs`` and ``rhs`` quantized along their
+  contraction; the backward GEMMs the output gradient and the saved
+  operands, quantized along the dimensions they contract (the recipe's
+  ``backward``). What is saved for the backward pass is the operands'
+  quantized copies (one byte a value for MXFP8), not the operands. The
+  result is in ``compute_dtype``, the gradients in each operand's dtype.
+
+  Args:
+    lhs: the left operand (f32 or the compute dtype).
+    rhs: the right operand.
+    dimension_numbers: ``((lhs_contract, rhs_contract), (lhs_batch, rhs_batch))``.
+    recipe: the :class:`BlockScaledRecipe`; M, N and K must fit it
+      (:meth:`BlockScaledRecipe.fits`).
+    compute_dtype: the result's dtype (bf16).
+
+  Returns:
+    The product, shaped as ``lax.dot_general``'s.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, mpjax
+    >>> x, w = jnp.ones((64, 32)), jnp.ones((32, 64))
+    >>> y = jax.jit(mpjax.block_scaled_dot, static_argnums=(2, 3, 4))(
+    ...     x, w, (((1,), (0,)), ((), ())), mpjax.MXFP8, jnp.bfloat16)
+    >>> y.dtype, float(y[0, 0])
+    (dtype(bfloat16), 32.0)
+  """
+  return _forward(lhs, rhs, dimension_numbers, recipe, compute_dtype)[0]
+
+
+def _forward(lhs, rhs, dimension_numbers, recipe, compute_dtype):
+  (lc, rc), (lb, rb) = dimension_numbers
+  lhs3, rhs3 = _to_bmk(lhs, lc, lb), _to_bmk(rhs, rc, rb)
+  platform = lowering_platform(lhs, rhs)
+  out3 = _matmul(quantize_blocks(lhs3, recipe), quantize_blocks(rhs3, recipe), compute_dtype, platform)
+  batch = [lhs.shape[d] for d in lb]
+  free = lambda x, c, b: [x.shape[d] for d in range(x.ndim) if d not in c and d not in b]  # noqa: E731
+  out = out3.reshape(*batch, *free(lhs, lc, lb), *free(rhs, rc, rb))
+  # What the backward GEMMs contract: lhs along M (the weight gradient's K),
+  # rhs along N (the input gradient's K): the columnwise copies, quantized now.
+  backward = recipe.backward_recipe
+  if backward is None:
+    saved = (_swap(lhs3).astype(compute_dtype), _swap(rhs3).astype(compute_dtype))
+  else:
+    saved = (quantize_blocks(_swap(lhs3), backward), quantize_blocks(_swap(rhs3), backward))
+  # Zero-size arrays carry the operands' shapes and dtypes to the backward pass.
+  shapes = (jnp.zeros((0, *lhs.shape), lhs.dtype), jnp.zeros((0, *rhs.shape), rhs.dtype))
+  return out, (*saved, *shapes)
+
+
+def _backward(dimension_numbers, recipe, compute_dtype, residuals, g):
+  lhs_cols, rhs_cols, lhs_like, rhs_like = residuals
+  lhs_shape, rhs_shape = lhs_like.shape[1:], rhs_like.shape[1:]
+  (lc, rc), (lb, rb) = dimension_numbers
+  platform = lowering_platform(g)
+  b = math.prod(lhs_shape[d] for d in lb)
+  m = math.prod(lhs_shape[d] for d in range(len(lhs_shape)) if d not in lc and d not in lb)
+  g3 = g.reshape(b, m, -1)
+  backward = recipe.backward_recipe
+  if backward is None:
+    g3 = g3.astype(compute_dtype)
+    d_lhs3 = _plain_matmul(g3, rhs_cols, compute_dtype, platform)
+    d_rhs3 = _plain_matmul(_swap(g3), lhs_cols, compute_dtype, platform)
+  else:
+    d_lhs3 = _matmul(quantize_blocks(g3, backward), rhs_cols, compute_dtype, platform)
+    d_rhs3 = _matmul(quantize_blocks(_swap(g3), backward), lhs_cols, compute_dtype, platform)
+  d_lhs = _from_bmk(d_lhs3, lhs_shape, lc, lb).astype(lhs_like.dtype)
+  d_rhs = _from_bmk(d_rhs3, rhs_shape, rc, rb).astype(rhs_like.dtype)
+  return d_lhs, d_rhs
+
+
+block_scaled_dot.defvjp(_forward, _backward)
