@@ -274,9 +274,9 @@ def _half_lost(row: GemmRow, platform: str) -> Flag | None:
 
 
 def _compiled_fp8(row: GemmRow) -> bool:
-  """Whether the compiled GEMM matched to ``row`` multiplies FP8 by FP8."""
+  """Whether the compiled GEMM matched to ``row`` multiplies FP8 (or FP4) by FP8 (or FP4)."""
   operands = (row.compiled_dtypes or "").split(" ->")[0].split(" x ")
-  return all(o.startswith("f8") for o in operands)
+  return all(o.startswith(("f8", "f4")) for o in operands)
 
 
 def _f32_accumulation(row: GemmRow) -> bool | None:
@@ -421,7 +421,23 @@ class AuditReport:
     if self.collectives is not None and self.collectives.collectives:
       lines += ["", "Collectives (a sharded program's all-gathers and reductions):", ""]
       lines += [str(self.collectives)]
-    fp8 = [r for r in self.rows if is_fp8(r.lhs_dtype) or is_fp8(r.rhs_dtype)]
+    blocked = [r for r in self.rows if r.block_scales]
+    fp8 = [r for r in self.rows if (is_fp8(r.lhs_dtype) or is_fp8(r.rhs_dtype)) and not r.block_scales]
+    if blocked:
+      native = [r for r in blocked if r.call_kind == "cudnn_block_scaled"]
+      emulated = [r for r in blocked if "block-scaled-emulated" in {f.code for f in r.flags}]
+      scales = ", ".join(sorted({r.block_scales for r in blocked}))
+      lines += [
+        "",
+        f"Block scaling: {len(blocked)} block-scaled GEMMs (MXFP8/NVFP4, scales {scales})"
+        + (
+          f"; compiled, {len(native)} are cuDNN block-scaled calls (`__cudnn$blockScaledDot`) "
+          f"and {len(emulated)} are emulated in wider GEMMs (`block-scaled-emulated`: this GPU "
+          "has no block-scaled Tensor Cores)."
+          if with_call
+          else "."
+        ),
+      ]
     if fp8:
       compiled = [r for r in fp8 if r.compiled_dtypes is not None]
       kept = [r for r in compiled if _compiled_fp8(r)]

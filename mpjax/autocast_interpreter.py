@@ -209,7 +209,8 @@ def _lower(
     dims = ((tuple(lc), tuple(rc)), (tuple(lb), tuple(rb)))
     recipe, scales = fp8
     if isinstance(recipe, BlockScaledRecipe):
-      out = block_scaled_dot(ops[0], ops[1], dims, recipe, compute)
+      inputs = (kinds[0] == INPUT, kinds[1] == INPUT)  # kept by the caller: saved as they are
+      out = block_scaled_dot(ops[0], ops[1], dims, recipe, compute, inputs)
     elif recipe is not None:
       out = fp8_dot(ops[0], ops[1], scales, dims, recipe, compute, eqn.params.get("out_sharding"))
     else:

@@ -47,9 +47,10 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 
 from mpjax._backend import lowering_platform
-from mpjax.gemm import forward_gemm
+from mpjax.gemm import SAVED, forward_gemm
 
 __all__ = [
   "BlockScaledRecipe",
@@ -398,13 +399,14 @@ def _swap(x: jax.Array) -> jax.Array:
   return jnp.swapaxes(x, 1, 2)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
 def block_scaled_dot(
   lhs: jax.Array,
   rhs: jax.Array,
   dimension_numbers: Any,
   recipe: BlockScaledRecipe,
   compute_dtype: Any,
+  saved_as_is: tuple[bool, bool] = (False, False),
 ) -> jax.Array:
   """``lax.dot_general`` with block-scaled operands, forward and backward.
 
@@ -412,8 +414,11 @@ def block_scaled_dot(
   contraction; the backward GEMMs the output gradient and the saved
   operands, quantized along the dimensions they contract (the recipe's
   ``backward``). What is saved for the backward pass is the operands'
-  quantized copies (one byte a value for MXFP8), not the operands. The
-  result is in ``compute_dtype``, the gradients in each operand's dtype.
+  quantized copies (one byte a value for MXFP8), not the operands; except
+  those ``saved_as_is`` names, which the backward pass quantizes from
+  themselves: a weight, whose f32 master the caller keeps anyway, costs no
+  memory saved as is (autocast passes its inputs so). The result is in
+  ``compute_dtype``, the gradients in each operand's dtype.
 
   Args:
     lhs: the left operand (f32 or the compute dtype).
@@ -422,6 +427,8 @@ def block_scaled_dot(
     recipe: the :class:`BlockScaledRecipe`; M, N and K must fit it
       (:meth:`BlockScaledRecipe.fits`).
     compute_dtype: the result's dtype (bf16).
+    saved_as_is: for ``(lhs, rhs)``, whether the backward pass keeps the
+      operand itself rather than a quantized copy.
 
   Returns:
     The product, shaped as ``lax.dot_general``'s.
@@ -434,10 +441,21 @@ def block_scaled_dot(
     >>> y.dtype, float(y[0, 0])
     (dtype(bfloat16), 32.0)
   """
-  return _forward(lhs, rhs, dimension_numbers, recipe, compute_dtype)[0]
+  return _forward(lhs, rhs, dimension_numbers, recipe, compute_dtype, saved_as_is)[0]
 
 
-def _forward(lhs, rhs, dimension_numbers, recipe, compute_dtype):
+def _columns(x3: jax.Array, recipe: BlockScaledRecipe | None, compute_dtype: Any) -> Any:
+  """``(B, M, K)`` as the backward GEMMs read it: ``(B, K, M)``, quantized along M (or cast)."""
+  if recipe is None:
+    return _swap(x3).astype(compute_dtype)
+  return quantize_blocks(_swap(x3), recipe)
+
+
+def _kept(residual: jax.Array) -> jax.Array:
+  return checkpoint_name(residual, SAVED)
+
+
+def _forward(lhs, rhs, dimension_numbers, recipe, compute_dtype, saved_as_is):
   (lc, rc), (lb, rb) = dimension_numbers
   lhs3, rhs3 = _to_bmk(lhs, lc, lb), _to_bmk(rhs, rc, rb)
   platform = lowering_platform(lhs, rhs)
@@ -446,26 +464,32 @@ def _forward(lhs, rhs, dimension_numbers, recipe, compute_dtype):
   free = lambda x, c, b: [x.shape[d] for d in range(x.ndim) if d not in c and d not in b]  # noqa: E731
   out = out3.reshape(*batch, *free(lhs, lc, lb), *free(rhs, rc, rb))
   # What the backward GEMMs contract: lhs along M (the weight gradient's K),
-  # rhs along N (the input gradient's K): the columnwise copies, quantized now.
+  # rhs along N (the input gradient's K): the columnwise copies, quantized now
+  # (or in the backward pass, from an operand saved as is).
   backward = recipe.backward_recipe
-  if backward is None:
-    saved = (_swap(lhs3).astype(compute_dtype), _swap(rhs3).astype(compute_dtype))
-  else:
-    saved = (quantize_blocks(_swap(lhs3), backward), quantize_blocks(_swap(rhs3), backward))
+  # Under autocast's remat the quantized copies are what the backward pass keeps.
+  saved = tuple(
+    x if as_is else jax.tree.map(_kept, _columns(x3, backward, compute_dtype))
+    for x, x3, as_is in zip((lhs, rhs), (lhs3, rhs3), saved_as_is, strict=True)
+  )
   # Zero-size arrays carry the operands' shapes and dtypes to the backward pass.
   shapes = (jnp.zeros((0, *lhs.shape), lhs.dtype), jnp.zeros((0, *rhs.shape), rhs.dtype))
   return out, (*saved, *shapes)
 
 
-def _backward(dimension_numbers, recipe, compute_dtype, residuals, g):
+def _backward(dimension_numbers, recipe, compute_dtype, saved_as_is, residuals, g):
   lhs_cols, rhs_cols, lhs_like, rhs_like = residuals
   lhs_shape, rhs_shape = lhs_like.shape[1:], rhs_like.shape[1:]
   (lc, rc), (lb, rb) = dimension_numbers
+  backward = recipe.backward_recipe
+  if saved_as_is[0]:
+    lhs_cols = _columns(_to_bmk(lhs_cols, lc, lb), backward, compute_dtype)
+  if saved_as_is[1]:
+    rhs_cols = _columns(_to_bmk(rhs_cols, rc, rb), backward, compute_dtype)
   platform = lowering_platform(g)
   b = math.prod(lhs_shape[d] for d in lb)
   m = math.prod(lhs_shape[d] for d in range(len(lhs_shape)) if d not in lc and d not in lb)
   g3 = g.reshape(b, m, -1)
-  backward = recipe.backward_recipe
   if backward is None:
     g3 = g3.astype(compute_dtype)
     d_lhs3 = _plain_matmul(g3, rhs_cols, compute_dtype, platform)

@@ -112,7 +112,9 @@ class GpuTarget:
     device: the product name.
     compute_capability: e.g. ``"9.0"``.
     bf16_tflops: dense bf16 Tensor Core peak (fp16 is the same on these GPUs).
-    fp8_tflops: dense fp8 peak, or ``None`` where the GPU has no fp8 Tensor Cores.
+    fp8_tflops: dense fp8 peak, or ``None`` where the GPU has no fp8 Tensor Cores
+      (MXFP8 runs at it on Blackwell).
+    fp4_tflops: dense FP4 (NVFP4) peak, or ``None`` where the GPU has no FP4 Tensor Cores.
     tf32_tflops: dense TF32 peak (what an f32 GEMM runs at by default).
     memory_tbps: memory bandwidth in TB/s.
     nvlink_gbps: NVLink bandwidth per GPU in GB/s, one direction (half the
@@ -143,6 +145,7 @@ class GpuTarget:
   nvlink_gbps: float | None = None
   network_gbps: float = 50.0
   max_gpus_per_node: int = 8
+  fp4_tflops: float | None = None
 
   @property
   def node_link_gbps(self) -> float:
@@ -161,6 +164,10 @@ class GpuTarget:
   def peak_tflops(self, dtype: Any) -> float:
     """The Tensor Core peak for GEMM operands of ``dtype`` (f32 means TF32)."""
     name = np.dtype(dtype).name
+    if name.startswith("float4"):
+      if self.fp4_tflops is None:
+        raise ValueError(f"{self.device} has no FP4 Tensor Cores.")
+      return self.fp4_tflops
     if name.startswith("float8"):
       if self.fp8_tflops is None:
         raise ValueError(f"{self.device} has no fp8 Tensor Cores.")
@@ -175,7 +182,7 @@ TARGETS: Mapping[str, GpuTarget] = {
   for t in (
     GpuTarget("h100", "NVIDIA H100 SXM 80GB", "9.0", 989.4, 1978.9, 494.7, 3.35, 450.0, 50.0),
     GpuTarget("h200", "NVIDIA H200 141GB", "9.0", 989.4, 1978.9, 494.7, 4.8, 450.0, 50.0),
-    GpuTarget("b200", "NVIDIA B200", "10.0", 2250.0, 4500.0, 1100.0, 8.0, 900.0, 100.0),
+    GpuTarget("b200", "NVIDIA B200", "10.0", 2250.0, 4500.0, 1100.0, 8.0, 900.0, 100.0, 8, 9000.0),
     GpuTarget("a100", "NVIDIA A100 SXM4 80GB", "8.0", 312.0, None, 156.0, 2.039, 300.0, 50.0),
     GpuTarget("l4", "NVIDIA L4 (Ada)", "8.9", 121.0, 242.0, 60.0, 0.3, None, 25.0),
   )

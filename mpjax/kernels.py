@@ -128,7 +128,8 @@ class KernelReport:
 
   @property
   def fp8_gemms(self) -> int:
-    """GEMM kernels that multiply FP8 operands (an FP8 cuBLASLt call or an f8 dot in a fusion)."""
+    """GEMM kernels that multiply FP8 (or FP4) operands: an FP8 cuBLASLt call, an f8 dot in a
+    fusion, a block-scaled cuDNN call."""
     return sum(k.kind == "gemm" and _is_fp8_name(k.peak_dtype) for k in self.kernels)
 
   @property
@@ -169,8 +170,12 @@ class KernelReport:
     peak for the dtype it multiplies and its bytes at the memory bandwidth."""
     compute = 0.0
     if kernel.flops:
-      fp8 = _is_fp8_name(kernel.peak_dtype) and self.target.fp8_tflops is None
-      peak = self.target.peak_tflops("bfloat16" if fp8 else kernel.peak_dtype)
+      dtype = kernel.peak_dtype
+      if str(dtype).startswith("float4") and self.target.fp4_tflops is None:
+        dtype = "float8_e4m3fn"
+      if _is_fp8_name(dtype) and self.target.fp8_tflops is None:
+        dtype = "bfloat16"
+      peak = self.target.peak_tflops(dtype)
       compute = kernel.flops / (peak * 1e12)
     return max(compute, kernel.bytes / (self.target.memory_tbps * 1e12))
 
@@ -215,7 +220,7 @@ class KernelReport:
 
 
 def _is_fp8_name(dtype: str | None) -> bool:
-  return bool(dtype) and str(dtype).startswith("float8")
+  return bool(dtype) and str(dtype).startswith(("float8", "float4"))
 
 
 def _gemm_flops(gemms: list[CompiledGemm]) -> tuple[float, str | None]:

@@ -348,8 +348,9 @@ def _variants(
   """(label -> (step, init_state, loss_of_params for residuals, its params), batch).
 
   ``fp8`` adds ``mpjax mixed_fp8 autocast`` (for GPU targets: XLA:CPU emulates FP8),
-  and the same with the last FP8-eligible GEMM (the output head) in FP8 too
-  (:data:`FP8_HEAD`), which the default recipe keeps in bf16. ``interpret``: see
+  the same with the last FP8-eligible GEMM (the output head) in FP8 too
+  (:data:`FP8_HEAD`), which the default recipe keeps in bf16, and the
+  block-scaled presets (:data:`BLOCK_SCALED`). ``interpret``: see
   :func:`_workload`.
   """
   make_model, batch, loss, sizes = _workload(name, small, interpret)
@@ -410,6 +411,8 @@ def _variants(
   if fp8:
     variants["mpjax mixed_fp8 autocast"] = with_mpjax("mixed_fp8")
     variants[FP8_HEAD_LABEL] = with_mpjax(FP8_HEAD)
+    for preset in BLOCK_SCALED:
+      variants[f"mpjax {preset} autocast"] = with_mpjax(preset)
   if keras:
     peer = _keras_variant(name, sizes, batch, loss)
     if peer is not None:
@@ -423,6 +426,8 @@ FP8_HEAD = mpjax.Policy(
   jnp.float32, jnp.bfloat16, jnp.float32, fp8=mpjax.Fp8Recipe(keep_bf16=("first",))
 )
 FP8_HEAD_LABEL = "mpjax mixed_fp8 autocast, FP8 head"
+# The block-scaled presets (MXFP8, NVFP4): Blackwell's Tensor Cores, emulated elsewhere.
+BLOCK_SCALED = ("mixed_mxfp8", "mixed_nvfp4")
 
 
 def _residual_bytes(loss_of: Callable, params: Any, batch: Any) -> int:
@@ -509,6 +514,40 @@ def gpu_compile(
       step, state, batch, target=target, gemm_backend=gemm_backend
     )
   return reports
+
+
+def saved_activations(name: str, small: bool = False) -> dict[str, int]:
+  """Bytes each mpjax variant of ``gpu_compile`` saves for its backward pass (traced here)."""
+  variants, batch = _variants(name, small, keras=False, fp8=True, interpret=True)
+  return {
+    label: _residual_bytes(loss_of, params, batch)
+    for label, (_, _, loss_of, params) in variants.items()
+    if label.startswith("mpjax") and "autocast" in label
+  }
+
+
+def block_scaled_against_bf16(reports: dict[str, Any], saved: dict[str, int]) -> str:
+  """The block-scaled steps against the bf16 one on the target: GEMM calls, estimated time,
+  saved activations."""
+  bf16 = reports["mpjax mixed_bf16 autocast"]
+  parts = []
+  for preset in BLOCK_SCALED:
+    label = f"mpjax {preset} autocast"
+    r = reports[label]
+    native = r.calls.get("cudnn_block_scaled", 0)
+    how = (
+      f"{native} of {sum(r.calls.values())} GEMMs are cuDNN block-scaled calls"
+      if native
+      else f"no native block-scaled GEMM on {r.target.name}: XLA emulates them at the bf16 rate"
+    )
+    parts.append(
+      f"{preset} / mixed_bf16 on {r.target.name}: estimated step time "
+      f"{r.estimated_seconds / bf16.estimated_seconds:.3f}x, GEMM kernels "
+      f"{r.estimated_gemm_seconds / bf16.estimated_gemm_seconds:.3f}x, kernels "
+      f"{r.count / bf16.count:.2f}x, bytes moved {r.bytes_moved / bf16.bytes_moved:.2f}x, saved "
+      f"activations {saved[label] / saved['mpjax mixed_bf16 autocast']:.3f}x ({how})."
+    )
+  return " ".join(parts)
 
 
 # The policies a sharded run compares (label -> policy), beside plain fp32 and Flax's bf16 peer.
@@ -862,6 +901,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, dict[str, float]]
       reports = gpu_compile(name, args.target, args.small, args.gemm_backend)
       record[name] = {label: r.to_dict() for label, r in reports.items()}
       fp8_line = fp8_against_bf16(reports) if mpjax.get_target(args.target).fp8_tflops else ""
+      fp8_line += "\n\n" + block_scaled_against_bf16(reports, saved_activations(name, args.small))
       if any(r.custom_kernels for r in reports.values()):
         fp8_line += "\n\n" + fused_attention_line(reports, name, args.small)
       tables.append(f"**{name} on {args.target}, {mode}**\n\n{kernel_table(reports)}\n\n{fp8_line}")

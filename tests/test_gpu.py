@@ -564,6 +564,63 @@ def test_the_fp8_share_of_a_mixed_fp8_step_compiled_for_h100_in_the_default_mode
   assert "multiply FP8 x FP8" in str(report)
 
 
+@pytest.mark.parametrize(
+  "workload, gemms, planned",
+  [("mlp, 5 layers", 14, 9), pytest.param("lm, 4 layers", 75, 45, marks=pytest.mark.slow)],
+)
+def test_every_gemm_mixed_mxfp8_plans_is_a_cudnn_block_scaled_call_on_b200_and_emulated_on_h100(
+  workload, gemms, planned
+):
+  # The GEMMs mixed_fp8 puts in FP8 (forward and both gradients), block-scaled: compiled for a
+  # B200 in XLA's default mode each is one __cudnn$blockScaledDot of E4M3 operands with E8M0
+  # scales per 32; compiled for an H100, which has no block-scaled Tensor Cores, each is a bf16
+  # GEMM, flagged.
+  if workload.startswith("mlp"):
+    step, state, batch = _mlp_step("mixed_mxfp8", depth=5)
+  else:
+    step, state, batch = _lm_step("mixed_mxfp8", d=128, layers=4, seq=64)
+  b200 = mpjax.audit(step, state, batch, target="b200", gemm_backend="default")
+  assert len(b200.rows) == gemms and not b200.compiled_only
+  blocked = [r for r in b200.rows if r.block_scales]
+  assert len(blocked) == planned and {r.block_scales for r in blocked} == {"f8_e8m0fnu per 32"}
+  assert {r.call for r in blocked} == {"__cudnn$blockScaledDot"}
+  assert {r.compiled_dtypes for r in blocked} == {"f8_e4m3fn x f8_e4m3fn -> bf16"}
+  assert not b200.flagged and b200.fast_path_share == 1.0
+  assert f"{planned} block-scaled GEMMs" in str(b200) and f"{planned} are cuDNN" in str(b200)
+  b200_kernels = mpjax.kernel_report(step, state, batch, target="b200")
+  assert b200_kernels.calls["cudnn_block_scaled"] == planned
+  assert b200_kernels.fp8_gemms == planned
+  h100 = mpjax.audit(step, state, batch, target="h100", gemm_backend="default")
+  emulated = [r for r in h100.rows if "block-scaled-emulated" in _codes(r)]
+  assert len(emulated) == planned and {r.call_kind for r in emulated} <= {"cublas_lt", "triton_gemm"}
+  assert all(r.compiled_dtypes.startswith("bf16 x bf16") for r in emulated)
+  assert len(h100.flagged) == planned
+  # Premise: mixed_bf16 has no block-scaled GEMM on the B200.
+  step, state, batch = (
+    _mlp_step("mixed_bf16", depth=5)
+    if workload.startswith("mlp")
+    else _lm_step("mixed_bf16", d=128, layers=4, seq=64)
+  )
+  assert not [r for r in mpjax.audit(step, state, batch, target="b200").rows if r.block_scales]
+
+
+def test_mixed_nvfp4_runs_its_forward_gemms_in_fp4_and_its_gradients_in_mxfp8_on_b200():
+  step, state, batch = _mlp_step("mixed_nvfp4", depth=5)
+  report = mpjax.audit(step, state, batch, target="b200", gemm_backend="default")
+  blocked = [r for r in report.rows if r.block_scales]
+  assert {r.call for r in blocked} == {"__cudnn$blockScaledDot"} and not report.flagged
+  by_scales = sorted((r.block_scales, r.compiled_dtypes) for r in blocked)
+  assert by_scales == [("f8_e4m3fn per 16", "f4_e2m1fn x f4_e2m1fn -> f32")] * 3 + [
+    ("f8_e8m0fnu per 32", "f8_e4m3fn x f8_e4m3fn -> bf16")
+  ] * 6
+  kernels = mpjax.kernel_report(step, state, batch, target="b200")
+  fp4 = [k for k in kernels.kernels if str(k.peak_dtype).startswith("float4")]
+  assert len(fp4) == 3  # at B200's FP4 peak, twice its FP8 one
+  assert kernels.kernel_seconds(fp4[0]) <= max(
+    fp4[0].flops / 9000e12, fp4[0].bytes / (mpjax.get_target("b200").memory_tbps * 1e12)
+  )
+
+
 # --------------------------------------------------------------------------- FP8, as compiled
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
