@@ -320,6 +320,57 @@ def doctor_kernels(
   return reports
 
 
+def block_scaling_line(report: AuditReport, target: str | None, policy: Any) -> str:
+  """What ``mpjax doctor`` says of a block-scaled policy's GEMMs (MXFP8, NVFP4) where it runs.
+
+  Args:
+    report: the audit of the train step.
+    target: the GPU target it was compiled for, or ``None`` (JAX's backend here).
+    policy: the step's policy (a name or an :class:`mpjax.Policy`).
+
+  Returns:
+    One paragraph, or ``""`` for a policy that is not block-scaled.
+
+  Example:
+    >>> from mpjax.audit import AuditReport
+    >>> from mpjax.cli import block_scaling_line
+    >>> block_scaling_line(AuditReport((), "cpu", ""), None, "mixed_bf16")
+    ''
+  """
+  from mpjax.block_scaled import BlockScaledRecipe
+  from mpjax.policy import get_policy
+
+  if not isinstance(get_policy(policy).fp8, BlockScaledRecipe):
+    return ""
+  if target is None:
+    return (
+      f"Block scaling here ({report.platform}): its GEMMs take the block-scaled operands "
+      "dequantized into bf16 (exactly) and sum them in f32: the numerics of the recipe, at the "
+      "bf16 rate. Blackwell GPUs run them natively: `mpjax doctor --target b200` shows the "
+      "cuDNN calls."
+    )
+  blocked = [r for r in report.rows if r.block_scales]
+  if not blocked:
+    return (
+      f"Block scaling on {target}: no GEMM of this step is block-scaled: none of those the "
+      "recipe would quantize has M, N and K that are multiples of its block size, so all run "
+      "in bf16."
+    )
+  emulated = [r for r in blocked if "block-scaled-emulated" in {f.code for f in r.flags}]
+  native = [r for r in blocked if r.call_kind == "cudnn_block_scaled"]
+  if emulated:
+    return (
+      f"Block scaling on {target}: EMULATED. {len(emulated)} of {len(blocked)} block-scaled "
+      f"GEMMs compiled as wider GEMMs: {target} has no block-scaled Tensor Cores (Blackwell, "
+      "compute capability 10.x, has), so this policy runs at the bf16 rate or slower, with extra "
+      "quantization passes. Use mixed_bf16 here, or mixed_fp8 (per-tensor FP8) on a Hopper GPU."
+    )
+  return (
+    f"Block scaling on {target}: native. {len(native)} of {len(blocked)} block-scaled GEMMs are "
+    "cuDNN block-scaled calls (`__cudnn$blockScaledDot`) at the FP8 or FP4 Tensor Core rate."
+  )
+
+
 def _doctor(config: Any, parsed: argparse.Namespace) -> None:
   from mpjax.experiment import ConfigError
   from mpjax.gpu import describe_gemm_backend, get_target
@@ -353,6 +404,9 @@ def _doctor(config: Any, parsed: argparse.Namespace) -> None:
     f"{where}: every GEMM and convolution, forward and backward.\n"
   )
   print(report)
+  block_line = block_scaling_line(report, target, policy)
+  if block_line:
+    print(f"\n{block_line}")
   if target is None:
     return
   if axes is not None:

@@ -595,6 +595,14 @@ def test_every_gemm_mixed_mxfp8_plans_is_a_cudnn_block_scaled_call_on_b200_and_e
   assert len(emulated) == planned and {r.call_kind for r in emulated} <= {"cublas_lt", "triton_gemm"}
   assert all(r.compiled_dtypes.startswith("bf16 x bf16") for r in emulated)
   assert len(h100.flagged) == planned
+  # mpjax doctor's word on each.
+  assert cli.block_scaling_line(b200, "b200", "mixed_mxfp8").startswith(
+    f"Block scaling on b200: native. {planned} of {planned}"
+  )
+  assert cli.block_scaling_line(h100, "h100", "mixed_mxfp8").startswith(
+    f"Block scaling on h100: EMULATED. {planned} of {planned}"
+  )
+  assert cli.block_scaling_line(h100, "h100", "mixed_bf16") == ""
   # Premise: mixed_bf16 has no block-scaled GEMM on the B200.
   step, state, batch = (
     _mlp_step("mixed_bf16", depth=5)
@@ -602,6 +610,24 @@ def test_every_gemm_mixed_mxfp8_plans_is_a_cudnn_block_scaled_call_on_b200_and_e
     else _lm_step("mixed_bf16", d=128, layers=4, seq=64)
   )
   assert not [r for r in mpjax.audit(step, state, batch, target="b200").rows if r.block_scales]
+
+
+@pytest.mark.slow
+def test_doctor_says_a_block_scaled_policy_is_emulated_on_h100():
+  result = subprocess.run(
+    [sys.executable, "-m", "mpjax.cli", "doctor", "default", "--target", "h100"]
+    + ["--config.policy=mixed_mxfp8", "--compare", "mixed_bf16,mixed_mxfp8"],
+    cwd=pathlib.Path(__file__).parent.parent,
+    env={k: v for k, v in os.environ.items() if k != mpjax.POLICY_ENV_VAR},
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
+  assert result.returncode == 0, result.stderr
+  out = result.stdout
+  assert "Block scaling on h100: EMULATED. 18 of 18 block-scaled GEMMs" in out
+  assert out.count("block-scaled-emulated") >= 18  # each GEMM's flag in the table
+  assert "| mixed_mxfp8 | " in out and "| mixed_bf16 | " in out
 
 
 def test_mixed_nvfp4_runs_its_forward_gemms_in_fp4_and_its_gradients_in_mxfp8_on_b200():
