@@ -113,8 +113,8 @@ def _match(
 ) -> tuple[list[CompiledGemm | None], list[CompiledGemm]]:
   """Pairs each row with a compiled GEMM of the same sizes (dtypes, then op_name break ties).
 
-  Block-scaled rows first take the block-scaled cuDNN calls of their sizes (up
-  to XLA's padding of them to 128); then every row left: exact sizes first;
+  Block-scaled rows first take the block-scaled cuDNN calls of their sizes
+  (exact, then up to XLA's padding of them to 128); then every row left: exact sizes first;
   then, for rows left over, sizes up to split-K (a Triton GEMM fusion that
   splits the contracting dim over a new batch dim); then sizes up to XLA's
   padding of misaligned GEMMs.
@@ -122,7 +122,7 @@ def _match(
   unused = list(compiled)
   matched: list[CompiledGemm | None] = [None] * len(rows)
   block_scaled = lambda row, g: bool(row.block_scales) and g.kind == "cudnn_block_scaled"  # noqa: E731
-  passes = [(_block_padded_signature, block_scaled)] + [
+  passes = [(lambda s: s, block_scaled), (_block_padded_signature, block_scaled)] + [
     (loosen, lambda row, g: True) for loosen in (lambda s: s, _split_k_signature, _padded_signature)
   ]
   for loosen, allowed in passes:

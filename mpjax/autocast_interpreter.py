@@ -167,8 +167,8 @@ def _fp8_gemm(
 
   FP8-eligible: a ``dot_general`` of which an operand is an input of the
   function (a layer's weight, or the model's input), outside ``custom_jvp``
-  and ``custom_vjp`` functions; for a block-scaled recipe, one whose M, N and
-  K fit its blocks.
+  and ``custom_vjp`` functions; a block-scaled recipe runs those of them whose
+  M, N and K fit its blocks (the others stay in the compute dtype).
   """
   if (
     policy.fp8 is None
@@ -178,13 +178,13 @@ def _fp8_gemm(
     or INPUT not in kinds[:2]
   ):
     return None, None
-  if isinstance(policy.fp8, BlockScaledRecipe):
+  in_fp8, scales = ctx.fp8.next(Fp8Gemm(path, policy.fp8, ctx.stateless))
+  if in_fp8 and isinstance(policy.fp8, BlockScaledRecipe):
+    # After the plan, so that keep_bf16's "first" and "last" name the same GEMMs as mixed_fp8's.
     lhs, rhs = (v.aval.shape for v in eqn.invars[:2])
     (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
     sizes = dot_dims(lhs, rhs, lc, rc, lb, rb)
-    if not policy.fp8.fits(sizes["M"], sizes["N"], sizes["K"]):
-      return None, None
-  in_fp8, scales = ctx.fp8.next(Fp8Gemm(path, policy.fp8, ctx.stateless))
+    in_fp8 = policy.fp8.fits(sizes["M"], sizes["N"], sizes["K"])
   return (policy.fp8 if in_fp8 else None), scales
 
 

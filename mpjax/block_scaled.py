@@ -28,12 +28,13 @@ block-scaled Tensor Cores (H100, A100) XLA dequantizes the operands and runs a
 bf16 GEMM: the numerics of the recipe, at no more than the bf16 rate; the audit
 flags each such GEMM ``block-scaled-emulated``. On a CPU (and a TPU) the
 operands are dequantized into bf16, exactly (an E4M3 or E2M1 value times its
-block scale is a bf16 value), and multiplied by the bf16 x bf16 -> f32 kernel:
+block scale is a bf16 value, within bf16's range), and multiplied by the bf16 x bf16 -> f32 kernel:
 the same products, summed in f32. Quantization is the same code everywhere, so
 its numerics can be unit-tested on a CPU bit for bit.
 
 f32 inputs below f32's normal range (subnormals, under 2**-126) count as zero,
-as XLA's f32 arithmetic flushes them on the CPU.
+as XLA's f32 arithmetic flushes them on the CPU; so do values that a block's
+scale brings below the element format's smallest subnormal.
 """
 
 from __future__ import annotations
@@ -253,8 +254,9 @@ def _e8m0_scales(amax: jax.Array, element: np.dtype, rounding: str) -> jax.Array
 
   With ``amax = m * 2**E`` (``1 <= m < 2``) and the format's largest value
   ``fmax = mmax * 2**emax``, ``floor`` gives ``2**(E - emax)``, ``up`` one
-  power more where ``m > mmax``: read from amax's bits, no rounding anywhere.
-  A zero amax gets the smallest scale, ``2**-127``; an inf or NaN one NaN.
+  power more where ``m > mmax``: read from amax's bits, no rounding anywhere;
+  at least ``2**-126`` (the OCP spec allows ``2**-127``, an f32 subnormal that XLA
+  flushes on the CPU). A zero amax gets the code of ``2**-127``; an inf or NaN one NaN.
   """
   fmax = _format_max(element)
   emax = math.floor(math.log2(fmax))
@@ -264,7 +266,9 @@ def _e8m0_scales(amax: jax.Array, element: np.dtype, rounding: str) -> jax.Array
   exponent = biased - 127 - emax
   if rounding == "up":
     exponent = exponent + (mantissa > mmax_bits).astype(jnp.int32)
-  code = jnp.clip(exponent, -127, 127) + 127
+  # 2**-127, an f32 subnormal, would be flushed where the scale is applied in f32 or bf16
+  # (XLA:CPU): the smallest scale a nonzero block gets is 2**-126.
+  code = jnp.clip(exponent, -126, 127) + 127
   code = jnp.where(biased == 0, 0, code)  # zero (subnormals are flushed)
   return jnp.where(biased == 255, 255, code).astype(jnp.uint8)
 
@@ -274,10 +278,12 @@ def quantize_blocks(x: jax.Array, recipe: BlockScaledRecipe) -> BlockQuantized:
 
   Each block's scale comes from its largest magnitude (amax); each value is
   divided by its scale (and the tensor scale) in f32 and cast to the element
-  format, saturating: beyond the format's range becomes its largest value, NaN
-  stays NaN (for E2M1, which has no NaN, its block's scale is NaN). MX scales
-  are exact powers of two (see :class:`BlockScaledRecipe` for the rounding);
-  an E4M3 scale is ``amax / max`` rounded to nearest.
+  format, saturating: beyond the format's range becomes its largest value. A
+  block holding an inf or NaN gets a NaN scale, so all of it stands for NaN (an
+  overflow is never hidden); with a tensor scale (NVFP4) the whole tensor
+  does. MX scales are exact powers of two, at least ``2**-126`` (see
+  :class:`BlockScaledRecipe` for the rounding); an E4M3 scale is ``amax / max``
+  rounded to nearest.
 
   Args:
     x: a float array whose last dimension is a multiple of the block size.
@@ -318,10 +324,12 @@ def quantize_blocks(x: jax.Array, recipe: BlockScaledRecipe) -> BlockQuantized:
     smax = _format_max(recipe.scale_dtype)
     if recipe.tensor_scale:
       whole = jnp.max(amax)
-      tensor_scale = jnp.where(whole > 0, whole / jnp.float32(fmax * smax), 1.0)
+      tiny = jnp.finfo(jnp.float32).tiny  # a smaller (subnormal) tensor scale would flush to 0
+      tensor_scale = jnp.where(whole > 0, jnp.maximum(whole / jnp.float32(fmax * smax), tiny), 1.0)
       tensor_scale = jnp.where(jnp.isfinite(whole), tensor_scale, jnp.nan).astype(jnp.float32)
       amax = amax / tensor_scale
-    scales = jnp.clip(amax / jnp.float32(fmax), -smax, smax).astype(recipe.scale_dtype)
+    scales = jnp.clip(amax / jnp.float32(fmax), -smax, smax)
+    scales = jnp.where(jnp.isfinite(amax), scales, jnp.nan).astype(recipe.scale_dtype)
     divisor = scales.astype(jnp.float32)
     if tensor_scale is not None:
       divisor = divisor * tensor_scale
@@ -335,9 +343,9 @@ def quantize_blocks(x: jax.Array, recipe: BlockScaledRecipe) -> BlockQuantized:
 def dequantize_blocks(q: BlockQuantized, dtype: Any = jnp.float32) -> jax.Array:
   """The values a :class:`BlockQuantized` tensor stands for, in ``dtype``.
 
-  In bf16 (and f32) the block's product is exact: an E4M3 or E2M1 value
-  times an E8M0 or E4M3 scale has at most 6 significant bits. The tensor
-  scale (NVFP4) multiplies it after, in ``dtype``.
+  In bf16 (and f32) the block's product is exact within bf16's exponent
+  range: an E4M3 or E2M1 value times an E8M0 or E4M3 scale has at most 8
+  significant bits. The tensor scale (NVFP4) multiplies it after, in ``dtype``.
 
   Example:
     >>> import jax.numpy as jnp, mpjax

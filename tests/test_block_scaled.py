@@ -26,8 +26,9 @@ def _reference_mx(x, element, rounding, block=32):
   Spec: X = 2**(floor(log2(amax)) - emax_elem), each value cast to the element format with
   round-to-nearest-even, saturating. ``rounding="up"`` is NVIDIA's variant: the exponent one
   more where amax / X would exceed the format's max. A zero block gets X = 2**-127 (code 0),
-  a block with an inf or NaN the NaN scale (code 255). f32 subnormals count as zero (XLA
-  flushes them).
+  a block with an inf or NaN the NaN scale (code 255). Where the spec allows X = 2**-127 for
+  a nonzero block mpjax takes 2**-126, and f32 subnormals count as zero: XLA flushes f32
+  subnormals on the CPU.
   """
   x = np.asarray(x, np.float32).astype(np.float64)
   x = np.where(np.abs(x) < 2.0**-126, np.copysign(0.0, x), x)
@@ -48,7 +49,7 @@ def _reference_mx(x, element, rounding, block=32):
       exponent = (e - 1) - emax
       if rounding == "up" and 2 * mantissa > fmax / 2**emax:
         exponent += 1
-      exponent = min(max(exponent, -127), 127)
+      exponent = min(max(exponent, -126), 127)  # mpjax: 2**-127 is f32-subnormal, flushed
     codes.append(exponent + 127)
     values.append(np.clip(b / 2.0**exponent, -fmax, fmax).astype(element))
   shape = np.shape(x)
@@ -73,7 +74,7 @@ def _hard_blocks():
     np.r_[np.inf, rng.normal(size=31)],  # inf
     np.r_[1e-40, -3e-39, np.zeros(30)],  # f32 subnormals only: flushed
     np.r_[3e38, rng.normal(size=31)],  # near f32's max
-    np.r_[2.0**-120, rng.normal(size=31) * 2.0**-125],  # near f32's min normal
+    np.r_[2.0**-120, rng.normal(size=31) * 2.0**-125],  # near f32's min normal: scale 2**-126
     -np.abs(rng.normal(size=32)) * 7.0,  # all negative
   ]
   return np.stack(rows).astype(np.float32)
@@ -100,6 +101,8 @@ def test_mx_quantization_matches_the_ocp_reference_bit_for_bit(element, rounding
   np.testing.assert_array_equal(np.where(nan, 0, values), np.where(ref_nan, 0, ref_values))
   # Premises: each edge case happens.
   assert (codes == 255).any() and (codes == 0).any()  # NaN and zero blocks
+  if element != "e2m1":  # the 2**-120 block: its spec scale 2**-127 or below, raised to 2**-126
+    assert (codes == 1).any()
   decoded = np.asarray(q.values).astype(np.float32)
   fmax = float(ml_dtypes.finfo(dtype).max)
   tiny = float(ml_dtypes.finfo(dtype).smallest_normal)
@@ -140,6 +143,14 @@ def test_nvfp4_quantization_has_two_levels_and_zero_blocks_stay_zero():
   amax = jnp.abs(x).reshape(8, 4, 16).max(-1, keepdims=True)
   assert bool((jnp.abs(back - x).reshape(8, 4, 16) <= amax / 6 + 1e-3).all())
   assert float(jnp.abs(back - x).mean()) > 1.0  # premise: FP4 is coarse
+  # A tensor too small for an f32-normal tensor scale quantizes to finite values, not 0 / 0.
+  tiny = jnp.array([[2.0**-120] * 16 + [0.0] * 16])
+  back = mpjax.dequantize_blocks(jax.jit(mpjax.quantize_blocks, static_argnums=1)(tiny, mpjax.NVFP4))
+  assert not bool(jnp.isnan(back).any())
+  # An inf is never hidden: its block (with a tensor scale, the whole tensor) becomes NaN.
+  for recipe in (mpjax.NVFP4, mpjax.BlockScaledRecipe("e2m1", "e4m3", 16, "nearest")):
+    q = mpjax.quantize_blocks(x.at[1, 0].set(jnp.inf), recipe)
+    assert bool(jnp.isnan(mpjax.dequantize_blocks(q)[1, :16]).all())
 
 
 def test_recipes_refuse_bad_fields_early_with_the_fix():
