@@ -239,6 +239,10 @@ def published_plugins(jaxlib_version: str) -> tuple[str, ...]:
   return tuple(n for n in _PLUGINS if n != "jax-cuda12-pjrt" or version <= _LAST_CUDA12_JAXLIB)
 
 
+# What XLA (jaxlib >= 0.12) says when it cannot compile a cuDNN call without a GPU.
+_NO_DEVICELESS_CUDNN = "deviceless cuDNN compilation is not enabled"
+
+
 def _check_compiler() -> None:
   """Raises unless an XLA CUDA compiler plugin matching the installed jaxlib is there.
 
@@ -492,7 +496,8 @@ def compile_for(
     RuntimeError: when the compiler plugin (``jax-cuda12-pjrt`` or ``jax-cuda13-pjrt``) is
       missing or does not match jaxlib; the message gives the command that fixes it. Also
       when ``fn`` calls cuDNN's fused attention, which jax traces only with a GPU; the
-      message names what compiles instead.
+      message names what compiles instead. Also when XLA cannot compile a cuDNN
+      block-scaled GEMM without a GPU (jaxlib >= 0.12 without cuDNN and a driver here).
 
   Example:
     >>> import jax.numpy as jnp, mpjax
@@ -524,4 +529,18 @@ def compile_for(
         "kernel (jax.experimental.pallas.ops.gpu.attention.mha compiles for the target); or "
         "compile on the GPU."
       ) from e
-  return lowered.compile(options)
+  try:
+    return lowered.compile(options)
+  except jax.errors.JaxRuntimeError as e:
+    if _NO_DEVICELESS_CUDNN not in str(e):
+      raise
+    raise RuntimeError(
+      f"compile_for({target.name!r}): the program has a cuDNN block-scaled GEMM "
+      f"(__cudnn$blockScaledDot: jax.nn.scaled_matmul, mpjax's mixed_mxfp8 and mixed_nvfp4), and "
+      f"jaxlib {jax.__version__}'s XLA compiles cuDNN calls without a GPU only through cuDNN's "
+      "deviceless mode, which needs cuDNN >= 9.15 and the CUDA driver library (libcuda.so.1) "
+      "on this machine; XLA said: "
+      f"{str(e).splitlines()[0]}. Compile it with jax 0.10.2 (whose XLA needs no cuDNN for it), "
+      "or on a machine with an NVIDIA driver; or compile for 'h100', where the GEMM is a bf16 "
+      "one (emulated)."
+    ) from e

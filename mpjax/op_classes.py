@@ -47,6 +47,7 @@ _FOLLOW = (
   "reduce_window_max reduce_window_min top_k sort "
   "eq ne lt le gt ge is_finite not and or xor "
   "abs neg sign floor ceil round tanh logistic erf erfc sqrt cbrt sin cos atan real imag "
+  "one_minus_square "
   "conj iota split sharding_constraint mesh_cast reshard pvary pcast psum pmax pmin "
   "psum_invariant all_gather all_to_all ppermute psum_scatter axis_index"
 ).split()
