@@ -9,6 +9,13 @@ from mpjax.autocast import OP_CLASSES as OP_CLASSES
 from mpjax.autocast import AutocastReport as AutocastReport
 from mpjax.autocast import autocast as autocast
 from mpjax.autocast import autocast_report as autocast_report
+from mpjax.block_scaled import MXFP8 as MXFP8
+from mpjax.block_scaled import NVFP4 as NVFP4
+from mpjax.block_scaled import BlockQuantized as BlockQuantized
+from mpjax.block_scaled import BlockScaledRecipe as BlockScaledRecipe
+from mpjax.block_scaled import block_scaled_dot as block_scaled_dot
+from mpjax.block_scaled import dequantize_blocks as dequantize_blocks
+from mpjax.block_scaled import quantize_blocks as quantize_blocks
 from mpjax.collectives import Collective as Collective
 from mpjax.collectives import CollectiveReport as CollectiveReport
 from mpjax.collectives import collective_report as collective_report
@@ -17,13 +24,6 @@ from mpjax.data import load_dataset as load_dataset
 from mpjax.diagnose import NonFiniteReport as NonFiniteReport
 from mpjax.diagnose import UncheckedOp as UncheckedOp
 from mpjax.diagnose import UncheckedReport as UncheckedReport
-from mpjax.block_scaled import MXFP8 as MXFP8
-from mpjax.block_scaled import NVFP4 as NVFP4
-from mpjax.block_scaled import BlockQuantized as BlockQuantized
-from mpjax.block_scaled import BlockScaledRecipe as BlockScaledRecipe
-from mpjax.block_scaled import block_scaled_dot as block_scaled_dot
-from mpjax.block_scaled import dequantize_blocks as dequantize_blocks
-from mpjax.block_scaled import quantize_blocks as quantize_blocks
 from mpjax.diagnose import find_nonfinite as find_nonfinite
 from mpjax.diagnose import grad_health as grad_health
 from mpjax.diagnose import suggest_rules as suggest_rules

@@ -31,8 +31,8 @@ import numpy as np
 from jax.extend import core as jcore
 
 from mpjax.collectives import CollectiveReport, collective_report
-from mpjax.gpu import compile_for, describe_gemm_backend, get_target, on_target
 from mpjax.gemm_equations import BLOCK_SCALED_PRIMITIVE
+from mpjax.gpu import compile_for, describe_gemm_backend, get_target, on_target
 from mpjax.hlo import (
   TENSOR_CORE_KINDS,
   CompiledGemm,
@@ -422,7 +422,9 @@ class AuditReport:
       lines += ["", "Collectives (a sharded program's all-gathers and reductions):", ""]
       lines += [str(self.collectives)]
     blocked = [r for r in self.rows if r.block_scales]
-    fp8 = [r for r in self.rows if (is_fp8(r.lhs_dtype) or is_fp8(r.rhs_dtype)) and not r.block_scales]
+    fp8 = [
+      r for r in self.rows if (is_fp8(r.lhs_dtype) or is_fp8(r.rhs_dtype)) and not r.block_scales
+    ]
     if blocked:
       native = [r for r in blocked if r.call_kind == "cudnn_block_scaled"]
       emulated = [r for r in blocked if "block-scaled-emulated" in {f.code for f in r.flags}]

@@ -40,7 +40,6 @@ scale brings below the element format's smallest subnormal.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import functools
 import math
 from typing import Any, NamedTuple
@@ -51,6 +50,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from mpjax._backend import lowering_platform
+from mpjax.fp8 import check_choice, keep_bf16_globs
 from mpjax.gemm import SAVED, forward_gemm
 
 __all__ = [
@@ -78,16 +78,6 @@ BACKWARDS = ("same", "mxfp8", "bf16")
 
 # (B, M, K) x (B, N, K) -> (B, M, N): the form every block-scaled GEMM takes.
 _BMK = (((2,), (2,)), ((0,), (0,)))
-
-
-def _choice(field: str, value: Any, accepted: tuple[str, ...]) -> None:
-  if value not in accepted:
-    near = difflib.get_close_matches(str(value), accepted, n=1)
-    hint = f" Did you mean {near[0]!r}?" if near else ""
-    raise ValueError(
-      f"BlockScaledRecipe: {field}={value!r} is not one of "
-      f"{', '.join(map(repr, accepted))}.{hint}"
-    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,10 +133,10 @@ class BlockScaledRecipe:
   keep_bf16: tuple[str, ...] = ("first", "last")
 
   def __post_init__(self):
-    _choice("element_format", self.element_format, tuple(ELEMENT_FORMATS))
-    _choice("scale_format", self.scale_format, tuple(SCALE_FORMATS))
-    _choice("scale_rounding", self.scale_rounding, SCALE_ROUNDINGS)
-    _choice("backward", self.backward, BACKWARDS)
+    check_choice("BlockScaledRecipe", "element_format", self.element_format, tuple(ELEMENT_FORMATS))
+    check_choice("BlockScaledRecipe", "scale_format", self.scale_format, tuple(SCALE_FORMATS))
+    check_choice("BlockScaledRecipe", "scale_rounding", self.scale_rounding, SCALE_ROUNDINGS)
+    check_choice("BlockScaledRecipe", "backward", self.backward, BACKWARDS)
     if (
       isinstance(self.block_size, bool)
       or not isinstance(self.block_size, int | np.integer)
@@ -163,13 +153,7 @@ class BlockScaledRecipe:
         f"BlockScaledRecipe: scale_rounding={self.scale_rounding!r} with "
         f"scale_format={self.scale_format!r}: an {self.scale_format} scale rounds {accepted}."
       )
-    keep = (self.keep_bf16,) if isinstance(self.keep_bf16, str) else self.keep_bf16
-    if not all(isinstance(k, str) for k in keep):
-      raise ValueError(
-        f"BlockScaledRecipe: keep_bf16={self.keep_bf16!r} must be a tuple of 'first', 'last' "
-        "and name-stack globs such as '*/head/*'."
-      )
-    object.__setattr__(self, "keep_bf16", tuple(keep))
+    object.__setattr__(self, "keep_bf16", keep_bf16_globs("BlockScaledRecipe", self.keep_bf16))
     object.__setattr__(self, "block_size", int(self.block_size))
     object.__setattr__(self, "tensor_scale", bool(self.tensor_scale))
 
@@ -300,7 +284,7 @@ def quantize_blocks(x: jax.Array, recipe: BlockScaledRecipe) -> BlockQuantized:
     >>> x = jnp.array([[1.0] * 31 + [500.0]])
     >>> q = mpjax.quantize_blocks(x, mpjax.MXFP8)
     >>> q.scales.astype(jnp.float32).tolist(), q.values[0, -1].astype(jnp.float32).item()
-    ([[2.0]], 250.0)
+    ([[2.0]], 256.0)
   """
   block = recipe.block_size
   if x.ndim == 0 or x.shape[-1] % block:
@@ -349,7 +333,7 @@ def dequantize_blocks(q: BlockQuantized, dtype: Any = jnp.float32) -> jax.Array:
 
   Example:
     >>> import jax.numpy as jnp, mpjax
-    >>> x = jnp.arange(64.0).reshape(2, 32)
+    >>> x = jnp.arange(-16.0, 16.0).reshape(1, 32)  # each value times 16 is an E4M3 value
     >>> bool((mpjax.dequantize_blocks(mpjax.quantize_blocks(x, mpjax.MXFP8)) == x).all())
     True
   """
@@ -467,7 +451,9 @@ def _forward(lhs, rhs, dimension_numbers, recipe, compute_dtype, saved_as_is):
   (lc, rc), (lb, rb) = dimension_numbers
   lhs3, rhs3 = _to_bmk(lhs, lc, lb), _to_bmk(rhs, rc, rb)
   platform = lowering_platform(lhs, rhs)
-  out3 = _matmul(quantize_blocks(lhs3, recipe), quantize_blocks(rhs3, recipe), compute_dtype, platform)
+  out3 = _matmul(
+    quantize_blocks(lhs3, recipe), quantize_blocks(rhs3, recipe), compute_dtype, platform
+  )
   batch = [lhs.shape[d] for d in lb]
   free = lambda x, c, b: [x.shape[d] for d in range(x.ndim) if d not in c and d not in b]  # noqa: E731
   out = out3.reshape(*batch, *free(lhs, lc, lb), *free(rhs, rc, rb))

@@ -59,13 +59,25 @@ _POSITIONS = ("first", "last")
 LHS, RHS, GRAD = 0, 1, 2
 
 
-def _choice(field: str, value: Any, accepted: tuple[str, ...]) -> None:
+def check_choice(recipe: str, field: str, value: Any, accepted: tuple[str, ...]) -> None:
+  """Raises a ``ValueError`` naming the accepted values where ``value`` is not one of them."""
   if value not in accepted:
     near = difflib.get_close_matches(str(value), accepted, n=1)
     hint = f" Did you mean {near[0]!r}?" if near else ""
     raise ValueError(
-      f"Fp8Recipe: {field}={value!r} is not one of {', '.join(map(repr, accepted))}.{hint}"
+      f"{recipe}: {field}={value!r} is not one of {', '.join(map(repr, accepted))}.{hint}"
     )
+
+
+def keep_bf16_globs(recipe: str, keep_bf16: Any) -> tuple[str, ...]:
+  """A recipe's ``keep_bf16`` as a tuple of strings (one string is one pattern)."""
+  keep = (keep_bf16,) if isinstance(keep_bf16, str) else keep_bf16
+  if not all(isinstance(k, str) for k in keep):
+    raise ValueError(
+      f"{recipe}: keep_bf16={keep_bf16!r} must be a tuple of 'first', 'last' and name-stack "
+      "globs such as '*/head/*'."
+    )
+  return tuple(keep)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,10 +136,10 @@ class Fp8Recipe:
   keep_bf16: tuple[str, ...] = ("first", "last")
 
   def __post_init__(self):
-    _choice("scaling", self.scaling, SCALINGS)
-    _choice("amax_compute_algo", self.amax_compute_algo, AMAX_COMPUTE_ALGOS)
-    _choice("fwd_format", self.fwd_format, tuple(FP8_FORMATS))
-    _choice("bwd_format", self.bwd_format, tuple(FP8_FORMATS))
+    check_choice("Fp8Recipe", "scaling", self.scaling, SCALINGS)
+    check_choice("Fp8Recipe", "amax_compute_algo", self.amax_compute_algo, AMAX_COMPUTE_ALGOS)
+    check_choice("Fp8Recipe", "fwd_format", self.fwd_format, tuple(FP8_FORMATS))
+    check_choice("Fp8Recipe", "bwd_format", self.bwd_format, tuple(FP8_FORMATS))
     if self.fwd_format == self.bwd_format == "e5m2":
       raise ValueError(
         "Fp8Recipe: fwd_format='e5m2' with bwd_format='e5m2': a backward GEMM would be "
@@ -144,13 +156,7 @@ class Fp8Recipe:
       )
     if isinstance(self.margin, bool) or not isinstance(self.margin, int | np.integer):
       raise ValueError(f"Fp8Recipe: margin={self.margin!r} must be an integer (0 is the default).")
-    keep = (self.keep_bf16,) if isinstance(self.keep_bf16, str) else self.keep_bf16
-    if not all(isinstance(k, str) for k in keep):
-      raise ValueError(
-        f"Fp8Recipe: keep_bf16={self.keep_bf16!r} must be a tuple of 'first', 'last' and "
-        "name-stack globs such as '*/head/*'."
-      )
-    object.__setattr__(self, "keep_bf16", tuple(keep))
+    object.__setattr__(self, "keep_bf16", keep_bf16_globs("Fp8Recipe", self.keep_bf16))
     object.__setattr__(self, "amax_history_len", int(self.amax_history_len))
     object.__setattr__(self, "margin", int(self.margin))
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import math
 from typing import Any
 
-
 BLOCK_SCALED_PRIMITIVE = "scaled_matmul_wrapper"
 """The primitive of :func:`jax.nn.scaled_matmul`: ``(B, M, K) x (B, N, K) -> (B, M, N)`` of
 block-quantized operands, with their scales as two more operands."""

@@ -18,12 +18,10 @@ import sys
 
 import jax
 import jax.numpy as jnp
+from bench import compile_record  # scripts/ is on the path when this script runs
 
 import mpjax
-
 from mpjax.kernels import report_from_hlo
-
-from bench import compile_record  # scripts/ is on the path when this script runs
 
 E4M3 = jnp.float8_e4m3fn
 TILE = 128
@@ -31,7 +29,9 @@ TILE = 128
 
 def bf16_gemm(x: jax.Array, w: jax.Array) -> jax.Array:
   """mixed_bf16's GEMM: bf16 operands, f32 accumulation, a bf16 result."""
-  return jnp.dot(x.astype(jnp.bfloat16), w.astype(jnp.bfloat16), preferred_element_type=jnp.bfloat16)
+  return jnp.dot(
+    x.astype(jnp.bfloat16), w.astype(jnp.bfloat16), preferred_element_type=jnp.bfloat16
+  )
 
 
 def _quantize(x: jax.Array, amax: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -51,7 +51,9 @@ def blockwise_gemm(x: jax.Array, w: jax.Array) -> jax.Array:
   wq, sw = _quantize(wt, jnp.max(jnp.abs(wt), axis=(1, 3), keepdims=True))  # (kb, 1, nb, 1)
   # One f8 x f8 dot per K block: (kb, t, 128) x (kb, 128, n) -> (kb, t, n), f32.
   partial = jax.lax.dot_general(
-    xq.transpose(1, 0, 2), wq.reshape(kb, TILE, n), (((2,), (1,)), ((0,), (0,))),
+    xq.transpose(1, 0, 2),
+    wq.reshape(kb, TILE, n),
+    (((2,), (1,)), ((0,), (0,))),
     preferred_element_type=jnp.float32,
   )
   scales = sx.transpose(1, 0, 2) * jnp.repeat(sw.reshape(kb, 1, nb), TILE, axis=-1)
@@ -90,7 +92,11 @@ def main(argv: list[str] | None = None) -> None:
   if args.json:
     command = " ".join(["python scripts/hopper_blockwise_estimate.py", *sys.argv[1:]])
     with open(args.json, "w") as f:
-      json.dump({"command": command, **compile_record(args.target, "default"), "results": figures}, f, indent=2)
+      json.dump(
+        {"command": command, **compile_record(args.target, "default"), "results": figures},
+        f,
+        indent=2,
+      )
 
 
 if __name__ == "__main__":

@@ -114,11 +114,15 @@ def test_mx_quantization_matches_the_ocp_reference_bit_for_bit(element, rounding
   other = mpjax.BlockScaledRecipe(
     element_format=element, scale_rounding="floor" if rounding == "up" else "up"
   )
-  assert (np.asarray(mpjax.quantize_blocks(jnp.asarray(x), other).scales).view(np.uint8) != codes).any()
+  assert (
+    np.asarray(mpjax.quantize_blocks(jnp.asarray(x), other).scales).view(np.uint8) != codes
+  ).any()
 
 
 def test_an_mxfp8_round_trip_is_within_e4m3s_precision_and_never_saturates():
-  x = jax.random.normal(jax.random.key(0), (64, 256)) * jnp.exp(jax.random.normal(jax.random.key(1), (64, 1)) * 5)
+  x = jax.random.normal(jax.random.key(0), (64, 256)) * jnp.exp(
+    jax.random.normal(jax.random.key(1), (64, 1)) * 5
+  )
   q = jax.jit(mpjax.quantize_blocks, static_argnums=1)(x, mpjax.MXFP8)
   back = mpjax.dequantize_blocks(q)
   blocks = jnp.abs(x).reshape(64, 8, 32).max(-1, keepdims=True)
@@ -145,7 +149,9 @@ def test_nvfp4_quantization_has_two_levels_and_zero_blocks_stay_zero():
   assert float(jnp.abs(back - x).mean()) > 1.0  # premise: FP4 is coarse
   # A tensor too small for an f32-normal tensor scale quantizes to finite values, not 0 / 0.
   tiny = jnp.array([[2.0**-120] * 16 + [0.0] * 16])
-  back = mpjax.dequantize_blocks(jax.jit(mpjax.quantize_blocks, static_argnums=1)(tiny, mpjax.NVFP4))
+  back = mpjax.dequantize_blocks(
+    jax.jit(mpjax.quantize_blocks, static_argnums=1)(tiny, mpjax.NVFP4)
+  )
   assert not bool(jnp.isnan(back).any())
   # An inf is never hidden: its block (with a tensor scale, the whole tensor) becomes NaN.
   for recipe in (mpjax.NVFP4, mpjax.BlockScaledRecipe("e2m1", "e4m3", 16, "nearest")):
@@ -154,7 +160,9 @@ def test_nvfp4_quantization_has_two_levels_and_zero_blocks_stay_zero():
 
 
 def test_recipes_refuse_bad_fields_early_with_the_fix():
-  with pytest.raises(ValueError, match="element_format='e4m2' is not one of 'e4m3', 'e5m2', 'e2m1'"):
+  with pytest.raises(
+    ValueError, match="element_format='e4m2' is not one of 'e4m3', 'e5m2', 'e2m1'"
+  ):
     mpjax.BlockScaledRecipe(element_format="e4m2")
   with pytest.raises(ValueError, match="block_size=0 must be a positive integer"):
     mpjax.BlockScaledRecipe(block_size=0)
@@ -227,7 +235,9 @@ def test_residuals_are_saved_quantized_about_half_of_mixed_bf16s():
   model = _Mlp()
   x = jax.random.normal(jax.random.key(0), (512, 128))
   params = model.init(jax.random.key(1), x)
-  every = mpjax.Policy(jnp.float32, jnp.bfloat16, jnp.float32, fp8=mpjax.BlockScaledRecipe(keep_bf16=()))
+  every = mpjax.Policy(
+    jnp.float32, jnp.bfloat16, jnp.float32, fp8=mpjax.BlockScaledRecipe(keep_bf16=())
+  )
   bf16, bf16_dtypes = _saved_bytes("mixed_bf16", model, params, x)
   mx, mx_dtypes = _saved_bytes(every, model, params, x)
   assert "float8_e4m3fn" in mx_dtypes and "float8_e8m0fnu" in mx_dtypes
@@ -281,7 +291,10 @@ def test_the_plan_runs_the_middle_gemms_block_scaled_and_keeps_misfit_ones_bf16(
   # The two middle Dense layers multiply E4M3 operands (dequantized on a CPU, as the audit
   # reads); the first and the last stay bf16, as mixed_fp8 keeps them.
   assert [r.dtypes.split(" ->")[0] for r in rows] == [
-    "bf16 x bf16", "f8_e4m3fn x f8_e4m3fn", "f8_e4m3fn x f8_e4m3fn", "bf16 x bf16"
+    "bf16 x bf16",
+    "f8_e4m3fn x f8_e4m3fn",
+    "f8_e4m3fn x f8_e4m3fn",
+    "bf16 x bf16",
   ]
   # A batch of 48 rows is no multiple of 32: no GEMM can be blocked along M; all stay bf16.
   odd = jnp.ones((48, 128))

@@ -653,9 +653,11 @@ def test_mixed_nvfp4_runs_its_forward_gemms_in_fp4_and_its_gradients_in_mxfp8_on
   blocked = [r for r in report.rows if r.block_scales]
   assert {r.call for r in blocked} == {"__cudnn$blockScaledDot"} and not report.flagged
   by_scales = sorted((r.block_scales, r.compiled_dtypes) for r in blocked)
-  assert by_scales == [("f8_e4m3fn per 16", "f4_e2m1fn x f4_e2m1fn -> f32")] * 3 + [
-    ("f8_e8m0fnu per 32", "f8_e4m3fn x f8_e4m3fn -> bf16")
-  ] * 6
+  assert (
+    by_scales
+    == [("f8_e4m3fn per 16", "f4_e2m1fn x f4_e2m1fn -> f32")] * 3
+    + [("f8_e8m0fnu per 32", "f8_e4m3fn x f8_e4m3fn -> bf16")] * 6
+  )
   kernels = mpjax.kernel_report(step, state, batch, target="b200")
   fp4 = [k for k in kernels.kernels if str(k.peak_dtype).startswith("float4")]
   assert len(fp4) == 3  # at B200's FP4 peak, twice its FP8 one
