@@ -338,25 +338,20 @@ def test_audit_lists_no_gemm_that_the_program_does_not_compute():
   assert str(jaxpr).count("conv_general_dilated[") == 3  # the premise: the VJP computes three
 
 
-def test_doctor_for_h100_prints_the_audit_and_the_kernel_report():
-  result = subprocess.run(
-    [
-      sys.executable,
-      "-m",
-      "mpjax.cli",
-      "doctor",
-      "digits_mlp",
-      "--target",
-      "h100",
-      "--compare",
-      "fp32,mixed_bf16",
-    ],
+def _doctor(*args: str) -> subprocess.CompletedProcess:
+  """``mpjax doctor ARGS`` as a user runs it: a fresh process from the repository root."""
+  return subprocess.run(
+    [sys.executable, "-m", "mpjax.cli", "doctor", *args],
     cwd=pathlib.Path(__file__).parent.parent,
     env={k: v for k, v in os.environ.items() if k != mpjax.POLICY_ENV_VAR},
     capture_output=True,
     text=True,
     timeout=600,
   )
+
+
+def test_doctor_for_h100_prints_the_audit_and_the_kernel_report():
+  result = _doctor("digits_mlp", "--target", "h100", "--compare", "fp32,mixed_bf16")
   assert result.returncode == 0, result.stderr
   out = result.stdout
   # XLA's default mode unless told otherwise, and every part of the output says so.
@@ -626,15 +621,8 @@ def test_every_gemm_mixed_mxfp8_plans_is_a_cudnn_block_scaled_call_on_b200_and_e
 
 @pytest.mark.slow
 def test_doctor_says_a_block_scaled_policy_is_emulated_on_h100():
-  result = subprocess.run(
-    [sys.executable, "-m", "mpjax.cli", "doctor", "default", "--target", "h100"]
-    + ["--config.policy=mixed_mxfp8", "--compare", "mixed_bf16,mixed_mxfp8"],
-    cwd=pathlib.Path(__file__).parent.parent,
-    env={k: v for k, v in os.environ.items() if k != mpjax.POLICY_ENV_VAR},
-    capture_output=True,
-    text=True,
-    timeout=600,
-  )
+  policies = ("--config.policy=mixed_mxfp8", "--compare", "mixed_bf16,mixed_mxfp8")
+  result = _doctor("default", "--target", "h100", *policies)
   assert result.returncode == 0, result.stderr
   out = result.stdout
   assert "Block scaling on h100: EMULATED. 21 of 21 block-scaled GEMMs" in out
