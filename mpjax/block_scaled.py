@@ -257,8 +257,8 @@ def _e8m0_scales(amax: jax.Array, element: np.dtype, rounding: str) -> jax.Array
   return jnp.where(biased == 255, 255, code).astype(jnp.uint8)
 
 
-def quantize_blocks(x: jax.Array, recipe: BlockScaledRecipe) -> BlockQuantized:
-  """``x`` quantized in blocks of ``recipe.block_size`` along its last dimension.
+def quantize_blocks(x: jax.Array, recipe: BlockScaledRecipe, axis: int = -1) -> BlockQuantized:
+  """``x`` quantized in blocks of ``recipe.block_size`` consecutive values along ``axis``.
 
   Each block's scale comes from its largest magnitude (amax); each value is
   divided by its scale (and the tensor scale) in f32 and cast to the element
@@ -269,15 +269,23 @@ def quantize_blocks(x: jax.Array, recipe: BlockScaledRecipe) -> BlockQuantized:
   :class:`BlockScaledRecipe` for the rounding); an E4M3 scale is ``amax / max``
   rounded to nearest.
 
+  ``axis`` other than the last gives what ``quantize_blocks(jnp.moveaxis(x,
+  axis, -1), recipe)`` gives, bit for bit (Transformer Engine's "columnwise"
+  copy of a ``(M, K)`` activation is ``axis=0``), computed without moving
+  ``x``: XLA then reads ``x`` where it lies and writes only the quantized
+  values moved.
+
   Args:
-    x: a float array whose last dimension is a multiple of the block size.
+    x: a float array whose ``axis`` is a multiple of the block size.
     recipe: the formats and block size.
+    axis: the dimension the blocks run along.
 
   Returns:
-    The :class:`BlockQuantized` tensor.
+    The :class:`BlockQuantized` tensor, blocked along its last dimension
+    (``axis`` moved last).
 
   Raises:
-    ValueError: where the last dimension is not a multiple of the block size.
+    ValueError: where ``axis`` is not a multiple of the block size.
 
   Example:
     >>> import jax.numpy as jnp, mpjax
@@ -285,17 +293,43 @@ def quantize_blocks(x: jax.Array, recipe: BlockScaledRecipe) -> BlockQuantized:
     >>> q = mpjax.quantize_blocks(x, mpjax.MXFP8)
     >>> q.scales.astype(jnp.float32).tolist(), q.values[0, -1].astype(jnp.float32).item()
     ([[2.0]], 256.0)
+    >>> mpjax.quantize_blocks(x.T, mpjax.MXFP8, axis=0).values.shape
+    (1, 32)
+  """
+  if not -x.ndim <= axis < x.ndim:
+    raise ValueError(
+      f"quantize_blocks: axis {axis} is out of range for a {x.shape} array; give one of its "
+      f"dimensions, {-x.ndim} to {x.ndim - 1}."
+    )
+  if x.shape[axis] % recipe.block_size:
+    raise ValueError(
+      f"quantize_blocks: dimension {axis} of a {x.shape} array is not a multiple of the "
+      f"block size {recipe.block_size}; pad it, or leave this GEMM in the compute dtype."
+    )
+  return _quantize(x, recipe, axis % x.ndim)
+
+
+def _quantize(x: jax.Array, recipe: BlockScaledRecipe, axis: int) -> BlockQuantized:
+  """``x`` quantized in blocks along ``axis``, returned with that axis last (values and scales).
+
+  The blocks' amaxes are reduced and the values scaled in ``x``'s own layout; only the
+  quantized values (one byte each, or half) move to put ``axis`` last, which XLA writes in
+  the same kernel that quantizes. Transposing ``x`` first would have XLA write it
+  transposed in f32 and read it twice more.
   """
   block = recipe.block_size
-  if x.ndim == 0 or x.shape[-1] % block:
-    raise ValueError(
-      f"quantize_blocks: the last dimension of a {x.shape} array is not a multiple of the "
-      f"block size {block}; pad it, or leave this GEMM in the compute dtype."
-    )
   element = recipe.element_dtype
   fmax = _format_max(element)
-  blocks = x.astype(jnp.float32).reshape(*x.shape[:-1], x.shape[-1] // block, block)
-  amax = jnp.max(jnp.abs(blocks), axis=-1)
+  shape = x.shape
+  blocks = x.reshape(*shape[:axis], shape[axis] // block, block, *shape[axis + 1 :])
+  # The largest magnitude is exact in x's own dtype: XLA reads (or keeps) x, never an f32 copy.
+  if axis == x.ndim - 1:
+    amax = jnp.max(jnp.abs(blocks), axis=axis + 1)
+  else:  # as elementwise maxima of the blocks' rows: XLA would transpose x for a reduce
+    rows = (jax.lax.index_in_dim(blocks, j, axis + 1, keepdims=False) for j in range(block))
+    amax = functools.reduce(jnp.maximum, map(jnp.abs, rows))
+  amax = amax.astype(jnp.float32)
+  blocks = blocks.astype(jnp.float32)
   tensor_scale = None
   if recipe.scale_format == "e8m0":
     codes = _e8m0_scales(amax, element, recipe.scale_rounding)
@@ -319,9 +353,12 @@ def quantize_blocks(x: jax.Array, recipe: BlockScaledRecipe) -> BlockQuantized:
       divisor = divisor * tensor_scale
     inverse = jnp.where(divisor == 0, 0.0, 1.0 / divisor)
     inverse = jnp.where(jnp.isnan(divisor), jnp.nan, inverse)
-  scaled = blocks * inverse[..., None]
-  values = jnp.clip(scaled, -fmax, fmax).astype(element).reshape(x.shape)
-  return BlockQuantized(values, scales, tensor_scale)
+  scaled = blocks * jnp.expand_dims(inverse, axis + 1)
+  values = jnp.clip(scaled, -fmax, fmax).astype(element).reshape(shape)
+  last = x.ndim - 1
+  return BlockQuantized(
+    jnp.moveaxis(values, axis, last), jnp.moveaxis(scales, axis, last), tensor_scale
+  )
 
 
 def dequantize_blocks(q: BlockQuantized, dtype: Any = jnp.float32) -> jax.Array:
@@ -440,7 +477,7 @@ def _columns(x3: jax.Array, recipe: BlockScaledRecipe | None, compute_dtype: Any
   """``(B, M, K)`` as the backward GEMMs read it: ``(B, K, M)``, quantized along M (or cast)."""
   if recipe is None:
     return _swap(x3).astype(compute_dtype)
-  return quantize_blocks(_swap(x3), recipe)
+  return _quantize(x3, recipe, 1)
 
 
 def _kept(residual: jax.Array) -> jax.Array:
@@ -451,8 +488,9 @@ def _forward(lhs, rhs, dimension_numbers, recipe, compute_dtype, saved_as_is):
   (lc, rc), (lb, rb) = dimension_numbers
   lhs3, rhs3 = _to_bmk(lhs, lc, lb), _to_bmk(rhs, rc, rb)
   platform = lowering_platform(lhs, rhs)
+  # rhs3 is (B, N, K): quantized along K as (B, K, N), a (K, N) weight's own layout.
   out3 = _matmul(
-    quantize_blocks(lhs3, recipe), quantize_blocks(rhs3, recipe), compute_dtype, platform
+    _quantize(lhs3, recipe, 2), _quantize(_swap(rhs3), recipe, 1), compute_dtype, platform
   )
   batch = [lhs.shape[d] for d in lb]
   free = lambda x, c, b: [x.shape[d] for d in range(x.ndim) if d not in c and d not in b]  # noqa: E731
@@ -480,19 +518,21 @@ def _backward(dimension_numbers, recipe, compute_dtype, saved_as_is, residuals, 
     lhs_cols = _columns(_to_bmk(lhs_cols, lc, lb), backward, compute_dtype)
   if saved_as_is[1]:
     rhs_cols = _columns(_to_bmk(rhs_cols, rc, rb), backward, compute_dtype)
-  platform = lowering_platform(g)
+  platform = lowering_platform(g, residuals)
   b = math.prod(lhs_shape[d] for d in lb)
   m = math.prod(lhs_shape[d] for d in range(len(lhs_shape)) if d not in lc and d not in lb)
   g3 = g.reshape(b, m, -1)
   if backward is None:
     g3 = g3.astype(compute_dtype)
     d_lhs3 = _plain_matmul(g3, rhs_cols, compute_dtype, platform)
-    d_rhs3 = _plain_matmul(_swap(g3), lhs_cols, compute_dtype, platform)
+    d_rhs3 = _plain_matmul(lhs_cols, _swap(g3), compute_dtype, platform)
   else:
-    d_lhs3 = _matmul(quantize_blocks(g3, backward), rhs_cols, compute_dtype, platform)
-    d_rhs3 = _matmul(quantize_blocks(_swap(g3), backward), lhs_cols, compute_dtype, platform)
+    d_lhs3 = _matmul(_quantize(g3, backward, 2), rhs_cols, compute_dtype, platform)
+    d_rhs3 = _matmul(lhs_cols, _quantize(g3, backward, 1), compute_dtype, platform)
+  # The weight gradient is written (B, K, N), a weight's own layout (x @ w's w is (K, N)):
+  # XLA then transposes nothing.
   d_lhs = _from_bmk(d_lhs3, lhs_shape, lc, lb).astype(lhs_like.dtype)
-  d_rhs = _from_bmk(d_rhs3, rhs_shape, rc, rb).astype(rhs_like.dtype)
+  d_rhs = _from_bmk(_swap(d_rhs3), rhs_shape, rc, rb).astype(rhs_like.dtype)
   return d_lhs, d_rhs
 
 

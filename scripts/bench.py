@@ -413,6 +413,7 @@ def _variants(
     variants[FP8_HEAD_LABEL] = with_mpjax(FP8_HEAD)
     for preset in BLOCK_SCALED:
       variants[f"mpjax {preset} autocast"] = with_mpjax(preset)
+    variants[MXFP8_HEAD_LABEL] = with_mpjax(MXFP8_HEAD)
   if keras:
     peer = _keras_variant(name, sizes, batch, loss)
     if peer is not None:
@@ -428,6 +429,11 @@ FP8_HEAD = mpjax.Policy(
 FP8_HEAD_LABEL = "mpjax mixed_fp8 autocast, FP8 head"
 # The block-scaled presets (MXFP8, NVFP4): Blackwell's Tensor Cores, emulated elsewhere.
 BLOCK_SCALED = ("mixed_mxfp8", "mixed_nvfp4")
+# mixed_mxfp8 with the output head block-scaled too (only the first GEMM kept in bf16).
+MXFP8_HEAD = mpjax.Policy(
+  jnp.float32, jnp.bfloat16, jnp.float32, fp8=mpjax.BlockScaledRecipe(keep_bf16=("first",))
+)
+MXFP8_HEAD_LABEL = "mpjax mixed_mxfp8 autocast, MXFP8 head"
 
 
 def _residual_bytes(loss_of: Callable, params: Any, batch: Any) -> int:
@@ -538,6 +544,8 @@ def block_scaled_against_bf16(reports: dict[str, Any], saved: dict[str, int]) ->
     how = (
       f"{native} of {sum(r.calls.values())} GEMMs are cuDNN block-scaled calls"
       if native
+      else f"no GEMM fits the recipe's blocks on {r.target.name}"
+      if r.target.fp4_tflops
       else f"no native block-scaled GEMM on {r.target.name}: XLA emulates them at the bf16 rate"
     )
     parts.append(
@@ -545,8 +553,14 @@ def block_scaled_against_bf16(reports: dict[str, Any], saved: dict[str, int]) ->
       f"{r.estimated_seconds / bf16.estimated_seconds:.3f}x, GEMM kernels "
       f"{r.estimated_gemm_seconds / bf16.estimated_gemm_seconds:.3f}x, kernels "
       f"{r.count / bf16.count:.2f}x, bytes moved {r.bytes_moved / bf16.bytes_moved:.2f}x, saved "
-      f"activations {saved[label] / saved['mpjax mixed_bf16 autocast']:.3f}x ({how})."
+      f"activations {saved[label] / saved['mpjax mixed_bf16 autocast']:.3f}x ({how}); "
+      f"{fp8_bound(r, bf16)}"
     )
+  head = reports[MXFP8_HEAD_LABEL]
+  parts.append(
+    f"With the output head in MXFP8 too (keep_bf16=('first',)): estimated step time "
+    f"{head.estimated_seconds / bf16.estimated_seconds:.3f}x; {fp8_bound(head, bf16)}"
+  )
   return " ".join(parts)
 
 

@@ -99,6 +99,13 @@ def test_mx_quantization_matches_the_ocp_reference_bit_for_bit(element, rounding
   ref_nan = np.isnan(ref_values.view(dtype).astype(np.float32))
   np.testing.assert_array_equal(nan, ref_nan)
   np.testing.assert_array_equal(np.where(nan, 0, values), np.where(ref_nan, 0, ref_values))
+  # Blocked along the first axis (the backward GEMMs' "columnwise" copies), of x transposed: the
+  # same bits, computed without moving x.
+  cols = jax.jit(mpjax.quantize_blocks, static_argnums=(1, 2))(jnp.asarray(x.T), recipe, 0)
+  np.testing.assert_array_equal(np.asarray(cols.scales).view(np.uint8), codes)
+  col_values = np.asarray(cols.values).view(np.uint8)
+  np.testing.assert_array_equal(np.where(nan, 0, col_values), np.where(nan, 0, values))
+  assert np.isnan(np.asarray(cols.values).astype(np.float32)[nan]).all()
   # Premises: each edge case happens.
   assert (codes == 255).any() and (codes == 0).any()  # NaN and zero blocks
   if element != "e2m1":  # the 2**-120 block: its spec scale 2**-127 or below, raised to 2**-126
@@ -147,6 +154,9 @@ def test_nvfp4_quantization_has_two_levels_and_zero_blocks_stay_zero():
   amax = jnp.abs(x).reshape(8, 4, 16).max(-1, keepdims=True)
   assert bool((jnp.abs(back - x).reshape(8, 4, 16) <= amax / 6 + 1e-3).all())
   assert float(jnp.abs(back - x).mean()) > 1.0  # premise: FP4 is coarse
+  cols = jax.jit(mpjax.quantize_blocks, static_argnums=(1, 2))(x.T, mpjax.NVFP4, 0)
+  for got, want in zip(cols, q, strict=True):  # along the first axis: the same bits
+    assert got.shape == want.shape and np.asarray(got).tobytes() == np.asarray(want).tobytes()
   # A tensor too small for an f32-normal tensor scale quantizes to finite values, not 0 / 0.
   tiny = jnp.array([[2.0**-120] * 16 + [0.0] * 16])
   back = mpjax.dequantize_blocks(
@@ -174,6 +184,10 @@ def test_recipes_refuse_bad_fields_early_with_the_fix():
     mpjax.Policy(jnp.bfloat16, jnp.bfloat16, jnp.bfloat16, fp8=mpjax.MXFP8)
   with pytest.raises(ValueError, match="not a multiple of the block size 32"):
     mpjax.quantize_blocks(jnp.ones((4, 48)), mpjax.MXFP8)
+  with pytest.raises(ValueError, match="dimension 0 of a .* not a multiple of the block size 32"):
+    mpjax.quantize_blocks(jnp.ones((48, 64)), mpjax.MXFP8, axis=0)
+  with pytest.raises(ValueError, match="axis 2 is out of range for a .*; give one of its"):
+    mpjax.quantize_blocks(jnp.ones((4, 64)), mpjax.MXFP8, axis=2)
   assert mpjax.get_policy("mixed_mxfp8").fp8 is mpjax.MXFP8
   assert mpjax.get_policy("mixed_nvfp4").fp8.name == "nvfp4"
   assert mpjax.MXFP8.backward_recipe is mpjax.MXFP8 and mpjax.NVFP4.backward_recipe is mpjax.MXFP8
