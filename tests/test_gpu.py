@@ -619,6 +619,29 @@ def test_every_gemm_mixed_mxfp8_plans_is_a_cudnn_block_scaled_call_on_b200_and_e
   assert not [r for r in mpjax.audit(step, state, batch, target="b200").rows if r.block_scales]
 
 
+def test_block_scaled_dot_under_jax_grad_is_three_cudnn_calls_on_b200():
+  # A user's own layer (no autocast, no train step): jax.grad of block_scaled_dot compiled for
+  # a B200 here runs its forward GEMM and both gradient GEMMs as cuDNN block-scaled calls. The
+  # backward pass must read where it is compiled for from its residuals: its cotangent, made by
+  # jax.grad, carries no placement.
+  def loss(x, w):
+    y = mpjax.block_scaled_dot(x, w, (((1,), (0,)), ((), ())), mpjax.MXFP8, jnp.bfloat16)
+    return jnp.sum(jnp.square(y.astype(jnp.float32)))
+
+  grad = jax.jit(jax.grad(loss, argnums=(0, 1)))
+  x = jax.ShapeDtypeStruct((512, 256), jnp.bfloat16)
+  w = jax.ShapeDtypeStruct((256, 128), jnp.float32)
+  if NO_DEVICELESS_CUDNN:  # the B200 compile: see test_every_gemm_mixed_mxfp8_plans_...
+    with pytest.raises(RuntimeError, match=r"deviceless mode, which needs cuDNN >= 9\.15"):
+      mpjax.kernel_report(grad, x, w, target="b200")
+    return
+  report = mpjax.kernel_report(grad, x, w, target="b200")
+  assert report.calls == {"cudnn_block_scaled": 3} and report.fp8_gemms == 3
+  # Premise: on an H100 the same GEMMs are bf16 ones.
+  h100 = mpjax.kernel_report(grad, x, w, target="h100")
+  assert "cudnn_block_scaled" not in h100.calls and h100.fp8_gemms == 0
+
+
 @pytest.mark.slow
 def test_doctor_says_a_block_scaled_policy_is_emulated_on_h100():
   policies = ("--config.policy=mixed_mxfp8", "--compare", "mixed_bf16,mixed_mxfp8")
