@@ -473,11 +473,12 @@ def block_scaled_dot(
   return _forward(lhs, rhs, dimension_numbers, recipe, compute_dtype, saved_as_is)[0]
 
 
-def _columns(x3: jax.Array, recipe: BlockScaledRecipe | None, compute_dtype: Any) -> Any:
-  """``(B, M, K)`` as the backward GEMMs read it: ``(B, K, M)``, quantized along M (or cast)."""
+def _blocked(x3: jax.Array, axis: int, recipe: BlockScaledRecipe | None, compute_dtype: Any) -> Any:
+  """``x3`` blocked along ``axis`` (1 or 2), that axis moved last: quantized, or cast where
+  ``recipe`` is ``None`` (a bf16 backward pass)."""
   if recipe is None:
-    return _swap(x3).astype(compute_dtype)
-  return _quantize(x3, recipe, 1)
+    return (x3 if axis == 2 else _swap(x3)).astype(compute_dtype)
+  return _quantize(x3, recipe, axis)
 
 
 def _kept(residual: jax.Array) -> jax.Array:
@@ -500,9 +501,11 @@ def _forward(lhs, rhs, dimension_numbers, recipe, compute_dtype, saved_as_is):
   # (or in the backward pass, from an operand saved as is).
   backward = recipe.backward_recipe
   # Under autocast's remat the quantized copies are what the backward pass keeps.
+  # Each is quantized in the layout it has as an (M, K) activation and a (K, N) weight:
+  # lhs3 along M, rhs3 (B, N, K) as (B, K, N) along N.
   saved = tuple(
-    x if as_is else jax.tree.map(_kept, _columns(x3, backward, compute_dtype))
-    for x, x3, as_is in zip((lhs, rhs), (lhs3, rhs3), saved_as_is, strict=True)
+    x if as_is else jax.tree.map(_kept, _blocked(x3, axis, backward, compute_dtype))
+    for x, x3, axis, as_is in zip((lhs, rhs), (lhs3, _swap(rhs3)), (1, 2), saved_as_is, strict=True)
   )
   # Zero-size arrays carry the operands' shapes and dtypes to the backward pass.
   shapes = (jnp.zeros((0, *lhs.shape), lhs.dtype), jnp.zeros((0, *rhs.shape), rhs.dtype))
@@ -515,9 +518,9 @@ def _backward(dimension_numbers, recipe, compute_dtype, saved_as_is, residuals, 
   (lc, rc), (lb, rb) = dimension_numbers
   backward = recipe.backward_recipe
   if saved_as_is[0]:
-    lhs_cols = _columns(_to_bmk(lhs_cols, lc, lb), backward, compute_dtype)
+    lhs_cols = _blocked(_to_bmk(lhs_cols, lc, lb), 1, backward, compute_dtype)
   if saved_as_is[1]:
-    rhs_cols = _columns(_to_bmk(rhs_cols, rc, rb), backward, compute_dtype)
+    rhs_cols = _blocked(_swap(_to_bmk(rhs_cols, rc, rb)), 2, backward, compute_dtype)
   platform = lowering_platform(g, residuals)
   b = math.prod(lhs_shape[d] for d in lb)
   m = math.prod(lhs_shape[d] for d in range(len(lhs_shape)) if d not in lc and d not in lb)
