@@ -48,6 +48,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
 
 from mpjax._backend import lowering_platform
 from mpjax.fp8 import check_choice, keep_bf16_globs
@@ -309,6 +311,28 @@ def quantize_blocks(x: jax.Array, recipe: BlockScaledRecipe, axis: int = -1) -> 
   return _quantize(x, recipe, axis % x.ndim)
 
 
+def _whole_blocks_on_each_device(x: jax.Array, axis: int, block: int) -> jax.Array:
+  """``x``, kept whole along ``axis`` on each device where splitting it could cut a block.
+
+  Under a mesh in context (``jax.set_mesh``, or the one a sharded
+  :class:`mpjax.TrainState` is on: :func:`mpjax.train_step` enters it), an
+  axis whose blocks a split over every device would not share out evenly
+  (``128 / 32 = 4`` blocks over 8 devices) is gathered before it is
+  quantized. Otherwise XLA's partitioner may split a block's scales unevenly:
+  the cuDNN GEMM's partitioning then fails to compile, or gathers E8M0 scales
+  with an all-reduce, which NCCL cannot run. An axis of whole blocks on every
+  device is left to the partitioner.
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or any(t != AxisType.Auto for t in mesh.axis_types):
+    return x
+  if (x.shape[axis] // block) % mesh.size == 0:
+    return x
+  spec = [P.UNCONSTRAINED] * x.ndim
+  spec[axis] = None
+  return jax.lax.with_sharding_constraint(x, P(*spec))
+
+
 def _quantize(x: jax.Array, recipe: BlockScaledRecipe, axis: int) -> BlockQuantized:
   """``x`` quantized in blocks along ``axis``, returned with that axis last (values and scales).
 
@@ -320,6 +344,7 @@ def _quantize(x: jax.Array, recipe: BlockScaledRecipe, axis: int) -> BlockQuanti
   block = recipe.block_size
   element = recipe.element_dtype
   fmax = _format_max(element)
+  x = _whole_blocks_on_each_device(x, axis, block)
   shape = x.shape
   blocks = x.reshape(*shape[:axis], shape[axis] // block, block, *shape[axis + 1 :])
   # The largest magnitude is exact in x's own dtype: XLA reads (or keeps) x, never an f32 copy.

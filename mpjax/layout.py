@@ -13,6 +13,7 @@ gathers it (:func:`cast_shards`).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any
 
@@ -31,6 +32,7 @@ __all__ = [
   "fsdp_spec",
   "like_params",
   "layout_of",
+  "mesh_in_context",
   "mesh_of",
   "normalized_sharding",
   "splits_a_leaf",
@@ -70,6 +72,26 @@ def mesh_of(tree: Any) -> jax.sharding.Mesh | None:
     return None
   mesh = meshes.pop()
   return mesh if mesh.size > 1 else None
+
+
+def mesh_in_context(layout: tuple[Any, ...] | None) -> contextlib.AbstractContextManager[Any]:
+  """The context to trace a sharded state's model in: its mesh's abstract mesh.
+
+  Code that asks JAX for the mesh (``jax.sharding.get_abstract_mesh()``,
+  ``with_sharding_constraint`` with a bare ``PartitionSpec``) finds the one
+  the state is on, as it would under ``jax.set_mesh``. Nothing is entered for
+  a layout on one device, or where a mesh is in context already.
+
+  Example:
+    >>> from mpjax.layout import mesh_in_context
+    >>> with mesh_in_context(None):  # a state on one device: nothing is entered
+    ...   jax.sharding.get_abstract_mesh().empty
+    True
+  """
+  meshes = {s.mesh for s in layout or () if isinstance(s, NamedSharding) and s.mesh.size > 1}
+  if len(meshes) != 1 or not jax.sharding.get_abstract_mesh().empty:
+    return contextlib.nullcontext()
+  return jax.sharding.use_abstract_mesh(meshes.pop().abstract_mesh)
 
 
 def layout_of(tree: Any) -> tuple[jax.sharding.Sharding, ...] | None:

@@ -17,7 +17,7 @@ from mpjax._dtypes import cast_floating, is_floating, to_f32
 from mpjax.autocast import autocast as autocast_fn
 from mpjax.autocast import autocast_with_fp8_scales, count_delayed_fp8_gemms
 from mpjax.fp8 import Fp8State, advance, delayed_scales
-from mpjax.layout import cast_shards, constrain_to_layout, splits_a_leaf
+from mpjax.layout import cast_shards, constrain_to_layout, mesh_in_context, splits_a_leaf
 from mpjax.loss_scale import (
   DynamicLossScale,
   LossScale,
@@ -496,9 +496,12 @@ def _loss_and_grads(
   params = state.params
   if axis_name is not None:
     params, fp8_scales = _as_varying((params, fp8_scales), axis_name)
-  (grads, fp8_amaxes), (loss, aux, model_state) = jax.grad(
-    scaled_loss, argnums=(0, 1), has_aux=True
-  )(params, fp8_scales)
+  # The model traces under the state's mesh, where the layers that ask for one find it
+  # (block-scaled GEMMs keep each device's blocks whole).
+  with mesh_in_context(state.layout):
+    (grads, fp8_amaxes), (loss, aux, model_state) = jax.grad(
+      scaled_loss, argnums=(0, 1), has_aux=True
+    )(params, fp8_scales)
   return _Grads(grads, loss, aux, model_state, fp8_scales, fp8_amaxes)
 
 

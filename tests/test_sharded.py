@@ -91,7 +91,7 @@ def test_a_sharded_step_keeps_every_leafs_layout_and_compiles_once(axes):
   )
 
 
-def _fsdp_parts(policy, fsdp=8):
+def _fsdp_parts(policy, fsdp=8, width=256):
   """An MLP's train step, its state and batch sharded over ``fsdp`` H100s (abstract values)."""
   import jax
   import jax.numpy as jnp
@@ -105,7 +105,7 @@ def _fsdp_parts(policy, fsdp=8):
     h = jax.nn.relu(batch["x"] @ params["w1"])
     return jnp.mean((h @ params["w2"]).astype(jnp.float32) ** 2)
 
-  params = {"w1": jnp.ones((256, 1024)), "w2": jnp.ones((1024, 256))}
+  params = {"w1": jnp.ones((width, 1024)), "w2": jnp.ones((1024, width))}
   state = mpjax.TrainState.create(apply_fn=None, params=params, tx=optax.sgd(0.1), policy=policy)
   mesh = mpjax.target_mesh("h100", {"fsdp": fsdp})
 
@@ -113,7 +113,7 @@ def _fsdp_parts(policy, fsdp=8):
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec))
 
   state = jax.tree.map(lambda x: placed(x, P("fsdp") if x.ndim == 2 else P()), state)
-  batch = {"x": placed(jnp.ones((64, 256)), P("fsdp"))}
+  batch = {"x": placed(jnp.ones((64, width)), P("fsdp"))}
   return state.keep_layout(), batch, jax.jit(mpjax.make_train_step(loss_fn))
 
 
@@ -238,3 +238,33 @@ def test_fp16_and_fp8_weights_cross_the_wire_narrow_and_no_gradient_is_gathered_
   fp8 = mpjax.Policy(jnp.float32, jnp.bfloat16, jnp.float32, fp8=mpjax.Fp8Recipe(keep_bf16=()))
   fp8 = gathered(fp8)
   assert fp8.get("float8_e4m3fn", 0) >= 2 * 256 * 1024 and "float32" not in fp8, fp8
+
+
+@pytest.mark.usefixtures("gpu_compiler")
+def test_block_scaled_gemms_whose_blocks_8_devices_cannot_share_compile_for_8_h100s(monkeypatch):
+  import jax.numpy as jnp
+
+  import mpjax
+  from mpjax import block_scaled
+  from mpjax.collectives import collective_report
+
+  # The first weight, (128, 1024) and sharded over 8 devices along its 128 rows, is contracted
+  # along them: 4 MXFP8 blocks of 32, which 8 devices cannot share. Under the state's mesh (the
+  # step enters it) such an operand is quantized whole on each device: the step compiles, and
+  # no E8M0 scale crosses the wire.
+  every = mpjax.BlockScaledRecipe(keep_bf16=())
+  every = mpjax.Policy(jnp.float32, jnp.bfloat16, jnp.float32, fp8=every)
+  state, batch, step = _fsdp_parts(every, width=128)
+  assert state.params["w1"].shape[0] // every.fp8.block_size % 8 != 0  # the premise
+  compiled = mpjax.compile_for(step, state, batch, target="h100")
+  dtypes = {c.dtype for c in collective_report(compiled).collectives}
+  assert "float8_e8m0fnu" not in dtypes and "bfloat16" in dtypes, dtypes
+  # Five GEMMs block-scaled (the input's gradient is not asked for), as on one device.
+  rows = mpjax.audit(step, state, batch, target="h100").rows
+  assert sum(r.block_scales == "f8_e8m0fnu per 32" for r in rows) == 5, rows
+  # Left to XLA's partitioner, the blocks are split: jax's partitioning of the cuDNN GEMM
+  # fails, or XLA gathers the E8M0 scales with an all-reduce, which NCCL cannot run.
+  monkeypatch.setattr(block_scaled, "_whole_blocks_on_each_device", lambda x, axis, block: x)
+  state, batch, step = _fsdp_parts(every, width=128)  # a new jit: traced again
+  with pytest.raises(Exception, match="f8e8m0fnu not supported by NCCL|not divisible"):
+    mpjax.compile_for(step, state, batch, target="h100")
