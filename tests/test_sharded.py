@@ -6,6 +6,7 @@ Each case runs in a subprocess with 8 host devices
 """
 
 import os
+import re
 import subprocess
 import sys
 
@@ -256,15 +257,21 @@ def test_block_scaled_gemms_whose_blocks_8_devices_cannot_share_compile_for_8_h1
   every = mpjax.Policy(jnp.float32, jnp.bfloat16, jnp.float32, fp8=every)
   state, batch, step = _fsdp_parts(every, width=128)
   assert state.params["w1"].shape[0] // every.fp8.block_size % 8 != 0  # the premise
-  compiled = mpjax.compile_for(step, state, batch, target="h100")
-  dtypes = {c.dtype for c in collective_report(compiled).collectives}
-  assert "float8_e8m0fnu" not in dtypes and "bfloat16" in dtypes, dtypes
+  fixed = collective_report(mpjax.compile_for(step, state, batch, target="h100"))
+  dtypes = {c.dtype for c in fixed.collectives}
+  assert "float8_e8m0fnu" not in dtypes, dtypes
   # Five GEMMs block-scaled (the input's gradient is not asked for), as on one device.
   rows = mpjax.audit(step, state, batch, target="h100").rows
   assert sum(r.block_scales == "f8_e8m0fnu per 32" for r in rows) == 5, rows
-  # Left to XLA's partitioner, the blocks are split: jax's partitioning of the cuDNN GEMM
-  # fails, or XLA gathers the E8M0 scales with an all-reduce, which NCCL cannot run.
+  # Left to XLA's partitioner, the blocks are split across devices. jax 0.10.2: jax's
+  # partitioning of the cuDNN GEMM fails, or XLA gathers the E8M0 scales with an all-reduce,
+  # which NCCL cannot run. Shardy in jax >= 0.11: the step compiles, replicating the split
+  # blocks ("involuntary full rematerialization") at more than 1.5 times the bytes.
   monkeypatch.setattr(block_scaled, "_whole_blocks_on_each_device", lambda x, axis, block: x)
   state, batch, step = _fsdp_parts(every, width=128)  # a new jit: traced again
-  with pytest.raises(Exception, match="f8e8m0fnu not supported by NCCL|not divisible"):
-    mpjax.compile_for(step, state, batch, target="h100")
+  try:
+    split = collective_report(mpjax.compile_for(step, state, batch, target="h100"))
+  except Exception as e:
+    assert re.search("f8e8m0fnu not supported by NCCL|not divisible", str(e)), e
+  else:
+    assert split.total_bytes > 1.5 * fixed.total_bytes, (split, fixed)
