@@ -315,7 +315,7 @@ def _whole_blocks_on_each_device(x: jax.Array, axis: int, block: int) -> jax.Arr
   """``x``, kept whole along ``axis`` on each device where splitting it could cut a block.
 
   Under a mesh in context (``jax.set_mesh``, or the one a sharded
-  :class:`mpjax.TrainState` is on: :func:`mpjax.train_step` enters it), an
+  :class:`mpjax.TrainState` is on, which its train step enters), an
   axis whose blocks a split over every device would not share out evenly
   (``128 / 32 = 4`` blocks over 8 devices) is gathered before it is
   quantized. Otherwise XLA's partitioner may split a block's scales unevenly:
