@@ -54,6 +54,7 @@ from jax.sharding import PartitionSpec as P
 from mpjax._backend import lowering_platform
 from mpjax.fp8 import check_choice, keep_bf16_globs
 from mpjax.gemm import SAVED, forward_gemm
+from mpjax.rounding import _fmix32, random_bits
 
 __all__ = [
   "BlockScaledRecipe",
@@ -77,6 +78,7 @@ SCALE_FORMATS: dict[str, Any] = {"e8m0": jnp.float8_e8m0fnu, "e4m3": jnp.float8_
 
 SCALE_ROUNDINGS = ("up", "floor", "nearest")
 BACKWARDS = ("same", "mxfp8", "bf16")
+GRADIENT_ROUNDINGS = ("nearest", "stochastic")
 
 # (B, M, K) x (B, N, K) -> (B, M, N): the form every block-scaled GEMM takes.
 _BMK = (((2,), (2,)), ((0,), (0,)))
@@ -109,14 +111,35 @@ class BlockScaledRecipe:
       tensor's amax when it is quantized.
     backward: the backward GEMMs' recipe: ``"same"`` as the forward,
       ``"mxfp8"`` (:data:`MXFP8`), or ``"bf16"`` (the compute dtype).
+    gradient_rounding: how the output gradient, the operand both backward
+      GEMMs share, is rounded to the element format: ``"nearest"`` (even) or
+      ``"stochastic"`` (to one of the two values around it, the upper one with
+      probability its distance from the lower one over their spacing, so
+      it is right in expectation: NVFP4's gradients). The random bits hash
+      each element's index with the tensor's block amaxes: a pure function of
+      the step's values, new each step as the gradients change.
+    square_weight_blocks: whether a weight (an operand passed as is, see
+      :func:`block_scaled_dot`) shares one scale per ``block_size`` x
+      ``block_size`` tile rather than per row of a tile, so its copies blocked
+      along K (forward) and along N (input gradient) are the same values
+      (NVFP4's 16 x 16 weight blocks).
+    hadamard_wgrad: whether the weight-gradient GEMM (``dw = x.T @ g``,
+      contracting the rows of ``x`` and ``g``) multiplies both operands, in
+      blocks of ``block_size`` rows (the backward recipe's), by ``H S /
+      sqrt(block_size)`` first: ``H`` Sylvester's Hadamard matrix and ``S`` a
+      fixed diagonal of random signs. It is orthogonal, so the product is
+      unchanged, and it spreads an outlier over its block before the block is
+      quantized (NVFP4's random Hadamard transform). ``block_size`` must then
+      be a power of two.
     keep_bf16: GEMMs that stay in the compute dtype, as
       :attr:`mpjax.Fp8Recipe.keep_bf16`: ``"first"``, ``"last"`` and
       name-stack globs.
 
   Raises:
     ValueError: for a value not among the accepted ones (the message lists
-      them), a block size that is not a positive integer, or a rounding the
-      scale format does not have.
+      them), a block size that is not a positive integer, a rounding the
+      scale format does not have, or gradient options with no block-scaled
+      backward GEMM to apply to.
 
   Example:
     >>> import jax.numpy as jnp, mpjax
@@ -132,6 +155,9 @@ class BlockScaledRecipe:
   scale_rounding: str = "up"
   tensor_scale: bool = False
   backward: str = "same"
+  gradient_rounding: str = "nearest"
+  square_weight_blocks: bool = False
+  hadamard_wgrad: bool = False
   keep_bf16: tuple[str, ...] = ("first", "last")
 
   def __post_init__(self):
@@ -139,6 +165,9 @@ class BlockScaledRecipe:
     check_choice("BlockScaledRecipe", "scale_format", self.scale_format, tuple(SCALE_FORMATS))
     check_choice("BlockScaledRecipe", "scale_rounding", self.scale_rounding, SCALE_ROUNDINGS)
     check_choice("BlockScaledRecipe", "backward", self.backward, BACKWARDS)
+    check_choice(
+      "BlockScaledRecipe", "gradient_rounding", self.gradient_rounding, GRADIENT_ROUNDINGS
+    )
     if (
       isinstance(self.block_size, bool)
       or not isinstance(self.block_size, int | np.integer)
@@ -157,7 +186,21 @@ class BlockScaledRecipe:
       )
     object.__setattr__(self, "keep_bf16", keep_bf16_globs("BlockScaledRecipe", self.keep_bf16))
     object.__setattr__(self, "block_size", int(self.block_size))
-    object.__setattr__(self, "tensor_scale", bool(self.tensor_scale))
+    for flag in ("tensor_scale", "square_weight_blocks", "hadamard_wgrad"):
+      object.__setattr__(self, flag, bool(getattr(self, flag)))
+    if self.backward == "bf16" and (self.hadamard_wgrad or self.gradient_rounding != "nearest"):
+      raise ValueError(
+        "BlockScaledRecipe: hadamard_wgrad and gradient_rounding='stochastic' change how the "
+        "backward GEMMs quantize, and backward='bf16' quantizes none; set backward='same' or "
+        "'mxfp8', or leave them at their defaults."
+      )
+    size = self.backward_recipe.block_size if self.backward_recipe else self.block_size
+    if self.hadamard_wgrad and size & (size - 1):
+      raise ValueError(
+        f"BlockScaledRecipe: hadamard_wgrad=True transforms blocks of {size} rows with a "
+        f"{size} x {size} Hadamard matrix, which exists here for a power of two only; use a "
+        "block_size of 16 or 32, or hadamard_wgrad=False."
+      )
 
   @property
   def name(self) -> str:
@@ -170,7 +213,14 @@ class BlockScaledRecipe:
 
   def same_numerics(self, other: BlockScaledRecipe) -> bool:
     """Whether ``other`` quantizes the forward GEMMs as this recipe does."""
-    fields = ("element_format", "scale_format", "block_size", "scale_rounding", "tensor_scale")
+    fields = (
+      "element_format",
+      "scale_format",
+      "block_size",
+      "scale_rounding",
+      "tensor_scale",
+      "square_weight_blocks",
+    )
     return all(getattr(self, f) == getattr(other, f) for f in fields)
 
   @property
@@ -186,7 +236,9 @@ class BlockScaledRecipe:
   @property
   def backward_recipe(self) -> BlockScaledRecipe | None:
     """The recipe of the backward GEMMs; ``None`` where they run in the compute dtype."""
-    return {"same": self, "mxfp8": MXFP8, "bf16": None}[self.backward]
+    if self.backward == "same":
+      return self
+    return MXFP8 if self.backward == "mxfp8" else None
 
   def fits(self, m: int, n: int, k: int) -> bool:
     """Whether a GEMM of these sizes can run block-scaled, forward and backward.
@@ -209,12 +261,14 @@ NVFP4 = BlockScaledRecipe(
   block_size=16,
   scale_rounding="nearest",
   tensor_scale=True,
-  backward="mxfp8",
+  gradient_rounding="stochastic",
+  square_weight_blocks=True,
+  hadamard_wgrad=True,
 )
-"""NVIDIA's NVFP4 recipe for the forward GEMMs (E2M1 values, an E4M3 scale per 16, an f32 scale
-per tensor), with the first and last GEMM in bf16. Its backward GEMMs run in MXFP8: NVIDIA's
-recipe quantizes gradients to FP4 only with stochastic rounding and random Hadamard transforms
-of the weight-gradient GEMM's operands, which mpjax does not build."""
+"""NVIDIA's NVFP4 recipe (arXiv 2509.25149; Transformer Engine's ``NVFP4BlockScaling``): E2M1
+values, an E4M3 scale per 16 and an f32 scale per tensor in all three GEMMs; weights in 16 x 16
+blocks, gradients rounded stochastically, the weight-gradient GEMM's operands through a random
+Hadamard transform; the first and last GEMM in bf16."""
 
 
 class BlockQuantized(NamedTuple):
@@ -333,22 +387,43 @@ def _whole_blocks_on_each_device(x: jax.Array, axis: int, block: int) -> jax.Arr
   return jax.lax.with_sharding_constraint(x, P(*spec))
 
 
-def _quantize(x: jax.Array, recipe: BlockScaledRecipe, axis: int) -> BlockQuantized:
+def _quantize(
+  x: jax.Array,
+  recipe: BlockScaledRecipe,
+  axis: int,
+  *,
+  square: bool = False,
+  hadamard: bool = False,
+  stochastic: bool = False,
+) -> BlockQuantized:
   """``x`` quantized in blocks along ``axis``, returned with that axis last (values and scales).
 
   The blocks' amaxes are reduced and the values scaled in ``x``'s own layout; only the
   quantized values (one byte each, or half) move to put ``axis`` last, which XLA writes in
   the same kernel that quantizes. Transposing ``x`` first would have XLA write it
   transposed in f32 and read it twice more.
+
+  The recipe's options, for the operands they apply to: ``square`` gives each
+  ``block x block`` tile of ``x``'s last two dimensions (``axis`` one of them)
+  one amax; ``hadamard`` first multiplies ``x`` by :func:`_hadamard` along
+  ``axis``; ``stochastic`` rounds the scaled values stochastically
+  (:func:`_round_stochastic`).
   """
   block = recipe.block_size
   element = recipe.element_dtype
   fmax = _format_max(element)
   x = _whole_blocks_on_each_device(x, axis, block)
+  if hadamard:
+    x = _hadamard(x.astype(jnp.float32), axis, block)
   shape = x.shape
   blocks = x.reshape(*shape[:axis], shape[axis] // block, block, *shape[axis + 1 :])
   # The largest magnitude is exact in x's own dtype: XLA reads (or keeps) x, never an f32 copy.
-  if axis == x.ndim - 1:
+  if square:  # one amax per tile of the last two dimensions, repeated along the other one
+    other = x.ndim - 1 if axis == x.ndim - 2 else x.ndim - 2
+    tiles = x.reshape(*shape[:-2], shape[-2] // block, block, shape[-1] // block, block)
+    amax = jnp.max(jnp.abs(tiles), axis=(-3, -1))
+    amax = jnp.repeat(amax, block, axis=other)
+  elif axis == x.ndim - 1:
     amax = jnp.max(jnp.abs(blocks), axis=axis + 1)
   else:  # as elementwise maxima of the blocks' rows: XLA would transpose x for a reduce
     rows = (jax.lax.index_in_dim(blocks, j, axis + 1, keepdims=False) for j in range(block))
@@ -378,12 +453,77 @@ def _quantize(x: jax.Array, recipe: BlockScaledRecipe, axis: int) -> BlockQuanti
       divisor = divisor * tensor_scale
     inverse = jnp.where(divisor == 0, 0.0, 1.0 / divisor)
     inverse = jnp.where(jnp.isnan(divisor), jnp.nan, inverse)
-  scaled = blocks * jnp.expand_dims(inverse, axis + 1)
-  values = jnp.clip(scaled, -fmax, fmax).astype(element).reshape(shape)
+  scaled = jnp.clip(blocks * jnp.expand_dims(inverse, axis + 1), -fmax, fmax)
+  if stochastic:
+    scaled = _round_stochastic(scaled, element, _rounding_bits(amax, axis, scaled.shape))
+  values = scaled.astype(element).reshape(shape)
   last = x.ndim - 1
   return BlockQuantized(
     jnp.moveaxis(values, axis, last), jnp.moveaxis(scales, axis, last), tensor_scale
   )
+
+
+@functools.cache
+def _hadamard_signs(size: int) -> np.ndarray:
+  """The fixed random signs ``S`` of :func:`_hadamard`'s transform (a seeded draw, as
+  Transformer Engine fixes its own)."""
+  return np.random.default_rng(size).choice(np.array([-1.0, 1.0], np.float32), size)
+
+
+def _hadamard_matrix(size: int) -> np.ndarray:
+  """``H S / sqrt(size)``: the orthogonal matrix :func:`_hadamard` multiplies blocks by.
+
+  ``H`` is Sylvester's Hadamard matrix of ``size`` (a power of two) and ``S``
+  the diagonal of :func:`_hadamard_signs`; each row of a block, as a vector
+  ``u``, becomes ``u @ _hadamard_matrix(size)``.
+  """
+  h = np.ones((1, 1))
+  while h.shape[0] < size:
+    h = np.block([[h, h], [h, -h]])
+  return h * _hadamard_signs(size)[None, :] / math.sqrt(size)
+
+
+def _hadamard(x: jax.Array, axis: int, size: int) -> jax.Array:
+  """``x`` (f32) with each block of ``size`` along ``axis`` multiplied by
+  :func:`_hadamard_matrix`: the fast Walsh-Hadamard transform's butterflies, which XLA fuses
+  into the quantization (a 16 x 16 matmul would be a GEMM kernel of its own)."""
+  shape = x.shape
+  steps = size.bit_length() - 1
+  y = x.reshape(*shape[:axis], shape[axis] // size, *([2] * steps), *shape[axis + 1 :])
+  for step in range(steps):
+    at = axis + 1 + step
+    low, high = (jax.lax.index_in_dim(y, i, at) for i in (0, 1))
+    y = jnp.concatenate([low + high, low - high], axis=at)
+  signs = _hadamard_signs(size).reshape(size, *([1] * (x.ndim - axis - 1)))
+  y = y.reshape(*shape[:axis], shape[axis] // size, size, *shape[axis + 1 :]) * signs
+  return y.reshape(shape) * np.float32(1 / math.sqrt(size))
+
+
+def _rounding_bits(amax: jax.Array, axis: int, shape: tuple[int, ...]) -> jax.Array:
+  """Random ``uint32`` bits for each value of ``shape``: its index hashed with a seed hashed
+  from the blocks' amaxes (each with its index) and ``axis``, so a tensor's row-wise and
+  column-wise copies draw apart and each step's gradients draw new bits."""
+  u32 = jnp.uint32
+  words = jax.lax.bitcast_convert_type(amax, u32).reshape(-1)
+  index = jax.lax.iota(u32, words.size)
+  seed = jnp.sum(_fmix32(words ^ (index * u32(0x9E3779B9))), dtype=u32)
+  return random_bits(jnp.stack([seed, _fmix32(seed + u32(1))]), jnp.int32(0), axis, shape)
+
+
+def _round_stochastic(v: jax.Array, element: np.dtype, bits: jax.Array) -> jax.Array:
+  """``v`` (f32, within the element format's range) rounded to one of the two element values
+  around it: the upper with probability ``(|v| - lower) / (upper - lower)``, from the top 24 of
+  ``bits``. Exact: the spacing is a power of two, read from ``v``'s exponent."""
+  info = jnp.finfo(element)
+  a = jnp.abs(v)
+  exponent = (jax.lax.bitcast_convert_type(a, jnp.uint32) >> 23).astype(jnp.int32) - 127
+  exponent = jnp.maximum(exponent, info.minexp)  # below it, the subnormals' fixed spacing
+  spacing = jax.lax.bitcast_convert_type((exponent - info.nmant + 127) << 23, jnp.float32)
+  steps = a / spacing
+  lower = jnp.floor(steps)
+  uniform = (bits >> 8).astype(jnp.float32) * np.float32(2.0**-24)
+  rounded = (lower + (uniform < steps - lower)) * spacing
+  return jnp.where(jnp.isnan(v), v, jnp.copysign(rounded, v))
 
 
 def dequantize_blocks(q: BlockQuantized, dtype: Any = jnp.float32) -> jax.Array:
@@ -498,12 +638,27 @@ def block_scaled_dot(
   return _forward(lhs, rhs, dimension_numbers, recipe, compute_dtype, saved_as_is)[0]
 
 
-def _blocked(x3: jax.Array, axis: int, recipe: BlockScaledRecipe | None, compute_dtype: Any) -> Any:
-  """``x3`` blocked along ``axis`` (1 or 2), that axis moved last: quantized, or cast where
-  ``recipe`` is ``None`` (a bf16 backward pass)."""
+def _blocked(
+  x3: jax.Array, axis: int, recipe: BlockScaledRecipe | None, compute_dtype: Any, **options: bool
+) -> Any:
+  """``x3`` blocked along ``axis`` (1 or 2), that axis moved last: quantized (with
+  :func:`_options`), or cast where ``recipe`` is ``None`` (a bf16 backward pass)."""
   if recipe is None:
     return (x3 if axis == 2 else _swap(x3)).astype(compute_dtype)
-  return _quantize(x3, recipe, axis)
+  return _quantize(x3, recipe, axis, **options)
+
+
+def _options(
+  recipe: BlockScaledRecipe, weight: bool = False, wgrad: bool = False, gradient: bool = False
+) -> dict[str, bool]:
+  """What of ``recipe``'s options an operand's quantization takes: a ``weight`` (passed as
+  is) its square blocks, an operand of the weight-gradient GEMM (``wgrad``) the Hadamard
+  transform, the output ``gradient`` the stochastic rounding."""
+  return {
+    "square": weight and recipe.square_weight_blocks,
+    "hadamard": wgrad and recipe.hadamard_wgrad,
+    "stochastic": gradient and recipe.gradient_rounding == "stochastic",
+  }
 
 
 def _kept(residual: jax.Array) -> jax.Array:
@@ -514,9 +669,13 @@ def _forward(lhs, rhs, dimension_numbers, recipe, compute_dtype, saved_as_is):
   (lc, rc), (lb, rb) = dimension_numbers
   lhs3, rhs3 = _to_bmk(lhs, lc, lb), _to_bmk(rhs, rc, rb)
   platform = lowering_platform(lhs, rhs)
+  lhs_weight, rhs_weight = saved_as_is
   # rhs3 is (B, N, K): quantized along K as (B, K, N), a (K, N) weight's own layout.
   out3 = _matmul(
-    _quantize(lhs3, recipe, 2), _quantize(_swap(rhs3), recipe, 1), compute_dtype, platform
+    _quantize(lhs3, recipe, 2, **_options(recipe, lhs_weight)),
+    _quantize(_swap(rhs3), recipe, 1, **_options(recipe, rhs_weight)),
+    compute_dtype,
+    platform,
   )
   batch = [lhs.shape[d] for d in lb]
   free = lambda x, c, b: [x.shape[d] for d in range(x.ndim) if d not in c and d not in b]  # noqa: E731
@@ -527,14 +686,20 @@ def _forward(lhs, rhs, dimension_numbers, recipe, compute_dtype, saved_as_is):
   backward = recipe.backward_recipe
   # Under autocast's remat the quantized copies are what the backward pass keeps.
   # Each is quantized in the layout it has as an (M, K) activation and a (K, N) weight:
-  # lhs3 along M, rhs3 (B, N, K) as (B, K, N) along N.
-  saved = tuple(
-    x if as_is else jax.tree.map(_kept, _blocked(x3, axis, backward, compute_dtype))
-    for x, x3, axis, as_is in zip((lhs, rhs), (lhs3, _swap(rhs3)), (1, 2), saved_as_is, strict=True)
+  # lhs3 along M (an operand of the weight gradient), rhs3 (B, N, K) as (B, K, N) along N.
+  saved = (
+    lhs
+    if lhs_weight
+    else _kept_tree(_blocked(lhs3, 1, backward, compute_dtype, **_options(recipe, wgrad=True))),
+    rhs if rhs_weight else _kept_tree(_blocked(_swap(rhs3), 2, backward, compute_dtype)),
   )
   # Zero-size arrays carry the operands' shapes and dtypes to the backward pass.
   shapes = (jnp.zeros((0, *lhs.shape), lhs.dtype), jnp.zeros((0, *rhs.shape), rhs.dtype))
   return out, (*saved, *shapes)
+
+
+def _kept_tree(tree: Any) -> Any:
+  return jax.tree.map(_kept, tree)
 
 
 def _backward(dimension_numbers, recipe, compute_dtype, saved_as_is, residuals, g):
@@ -543,9 +708,11 @@ def _backward(dimension_numbers, recipe, compute_dtype, saved_as_is, residuals, 
   (lc, rc), (lb, rb) = dimension_numbers
   backward = recipe.backward_recipe
   if saved_as_is[0]:
-    lhs_cols = _blocked(_to_bmk(lhs_cols, lc, lb), 1, backward, compute_dtype)
+    options = _options(recipe, weight=True, wgrad=True)
+    lhs_cols = _blocked(_to_bmk(lhs_cols, lc, lb), 1, backward, compute_dtype, **options)
   if saved_as_is[1]:
-    rhs_cols = _blocked(_swap(_to_bmk(rhs_cols, rc, rb)), 2, backward, compute_dtype)
+    options = _options(recipe, weight=True)
+    rhs_cols = _blocked(_swap(_to_bmk(rhs_cols, rc, rb)), 2, backward, compute_dtype, **options)
   platform = lowering_platform(g, residuals)
   b = math.prod(lhs_shape[d] for d in lb)
   m = math.prod(lhs_shape[d] for d in range(len(lhs_shape)) if d not in lc and d not in lb)
@@ -555,8 +722,10 @@ def _backward(dimension_numbers, recipe, compute_dtype, saved_as_is, residuals, 
     d_lhs3 = _plain_matmul(g3, rhs_cols, compute_dtype, platform)
     d_rhs3 = _plain_matmul(lhs_cols, _swap(g3), compute_dtype, platform)
   else:
-    d_lhs3 = _matmul(_quantize(g3, backward, 2), rhs_cols, compute_dtype, platform)
-    d_rhs3 = _matmul(lhs_cols, _quantize(g3, backward, 1), compute_dtype, platform)
+    rows = _quantize(g3, backward, 2, **_options(recipe, gradient=True))
+    cols = _quantize(g3, backward, 1, **_options(recipe, wgrad=True, gradient=True))
+    d_lhs3 = _matmul(rows, rhs_cols, compute_dtype, platform)
+    d_rhs3 = _matmul(lhs_cols, cols, compute_dtype, platform)
   # The weight gradient is written (B, K, N), a weight's own layout (x @ w's w is (K, N)):
   # XLA then transposes nothing.
   d_lhs = _from_bmk(d_lhs3, lhs_shape, lc, lb).astype(lhs_like.dtype)

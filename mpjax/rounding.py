@@ -41,8 +41,8 @@ from jax import lax
 
 from mpjax._dtypes import is_floating, to_f32
 
-# ROUNDINGS, uses_rounded_storage and random_bits are the library's own (policy.py and
-# train_step.py use them), not exported.
+# ROUNDINGS, uses_rounded_storage, random_bits and _fmix32 are the library's own (policy.py,
+# train_step.py and block_scaled.py use them), not exported.
 __all__ = [
   "RoundingState",
   "stochastic_round",

@@ -1,6 +1,7 @@
 """Block-scaled GEMMs (MXFP8, NVFP4) on the CPU: quantization bit for bit against a reference
 written from the OCP MX spec, the GEMMs against NumPy, the residuals, the presets in training."""
 
+import dataclasses
 import math
 
 import flax.linen as nn
@@ -190,7 +191,14 @@ def test_recipes_refuse_bad_fields_early_with_the_fix():
     mpjax.quantize_blocks(jnp.ones((4, 64)), mpjax.MXFP8, axis=2)
   assert mpjax.get_policy("mixed_mxfp8").fp8 is mpjax.MXFP8
   assert mpjax.get_policy("mixed_nvfp4").fp8.name == "nvfp4"
-  assert mpjax.MXFP8.backward_recipe is mpjax.MXFP8 and mpjax.NVFP4.backward_recipe is mpjax.MXFP8
+  with pytest.raises(ValueError, match="gradient_rounding='random' is not one of"):
+    mpjax.BlockScaledRecipe(gradient_rounding="random")
+  with pytest.raises(ValueError, match="backward='bf16' quantizes none; set backward='same'"):
+    mpjax.BlockScaledRecipe(backward="bf16", gradient_rounding="stochastic")
+  with pytest.raises(ValueError, match="24 x 24 Hadamard matrix, .* power of two only"):
+    mpjax.BlockScaledRecipe(block_size=24, hadamard_wgrad=True)
+  assert mpjax.MXFP8.backward_recipe is mpjax.MXFP8 and mpjax.NVFP4.backward_recipe is mpjax.NVFP4
+  assert mpjax.BlockScaledRecipe(backward="mxfp8").backward_recipe is mpjax.MXFP8
   # auto never picks a block-scaled preset (here: a CPU).
   assert mpjax.get_policy("auto").fp8 is None
 
@@ -314,3 +322,132 @@ def test_the_plan_runs_the_middle_gemms_block_scaled_and_keeps_misfit_ones_bf16(
   odd = jnp.ones((48, 128))
   rows = mpjax.audit(forward, params, odd).rows
   assert {r.dtypes.split(" ->")[0] for r in rows} == {"bf16 x bf16"}
+
+
+# --- NVFP4's gradients: stochastic rounding, 16 x 16 weight blocks, the Hadamard transform ----
+
+
+def _finite_values(element):
+  """Every finite value of an element format, as float64."""
+  codes = np.arange(16 if element == E2M1 else 256, dtype=np.uint8)
+  values = codes.view(element).astype(np.float64)
+  return values[np.isfinite(values)]
+
+
+def _reference_stochastic(v, element, bits):
+  """``v`` rounded to the format's value below or above it, the one above where the top 24 of
+  ``bits`` as a fraction fall under the distance from the one below over their distance."""
+  grid = np.unique(np.abs(_finite_values(element)))
+  a = np.abs(v.astype(np.float64))
+  i = np.searchsorted(grid, a, side="right") - 1
+  lower, upper = grid[i], grid[np.minimum(i + 1, grid.size - 1)]
+  p = np.where(upper > lower, (a - lower) / np.where(upper > lower, upper - lower, 1), 0.0)
+  u = (bits >> 8).astype(np.float64) * 2.0**-24
+  return np.copysign(np.where(u < p, upper, lower), v).astype(np.float32)
+
+
+@pytest.mark.parametrize("element", [E2M1, E4M3])
+def test_stochastic_rounding_matches_a_reference_bit_for_bit(element):
+  from mpjax.block_scaled import _round_stochastic
+
+  rng = np.random.default_rng(0)
+  fmax = float(ml_dtypes.finfo(element).max)
+  grid = _finite_values(element)
+  v = np.concatenate(
+    [
+      rng.uniform(-fmax, fmax, 4000),
+      np.exp2(rng.uniform(-12, math.log2(fmax), 4000)) * rng.choice([-1, 1], 4000),  # subnormals
+      grid,  # exact values stay
+      [0.0, -0.0, fmax, -fmax],
+    ]
+  ).astype(np.float32)
+  bits = rng.integers(0, 2**32, v.size, dtype=np.uint32)
+  round_ = jax.jit(_round_stochastic, static_argnums=1)
+  got = np.asarray(round_(jnp.asarray(v), np.dtype(element), jnp.asarray(bits)))
+  want = _reference_stochastic(v, element, bits)
+  assert got.tobytes() == want.tobytes()  # signs of zeros included
+  assert set(np.unique(np.abs(got))) <= set(np.abs(grid))  # the format's values, as is
+  assert not np.array_equal(got, np.asarray(jnp.asarray(v).astype(element).astype(jnp.float32)))
+  assert bool(
+    jnp.isnan(round_(jnp.array([jnp.nan]), np.dtype(element), jnp.array([7], jnp.uint32)))[0]
+  )
+
+
+def _eye_layer(recipe, w):
+  """``x @ w`` with ``x`` the identity (exact in any format): forward result and ``vjp``."""
+  dims = (((1,), (0,)), ((), ()))
+  layer = lambda x, w: mpjax.block_scaled_dot(x, w, dims, recipe, jnp.bfloat16, (False, True))  # noqa: E731
+  return jax.jit(lambda x, w: jax.vjp(layer, x, w))(jnp.eye(w.shape[0]), w)
+
+
+def test_stochastically_rounded_gradients_are_right_on_average_and_new_with_new_values():
+  # Blocks of 16 along N of [6, 1.2 x 15]: the block scale is exact, each 1.2 is 1.2 of E2M1's
+  # spacing 0.5 above 1.0; nearest rounds every one to 1.0, stochastic to 1.5 with p = 0.4.
+  g = jnp.tile(jnp.array([6.0] + [1.2] * 15), (2048, 4)).astype(jnp.bfloat16)
+  w = jnp.eye(64)  # quantized exactly: the input gradient is the quantized gradient itself
+  x = jnp.ones((2048, 64))
+  dims = (((1,), (0,)), ((), ()))
+  recipe = mpjax.NVFP4
+
+  def input_gradient(recipe, g):
+    layer = lambda x, w: mpjax.block_scaled_dot(x, w, dims, recipe, jnp.bfloat16, (False, True))  # noqa: E731
+    return jax.jit(lambda x, w, g: jax.vjp(layer, x, w)[1](g)[0])(x, w, g)
+
+  dx = np.asarray(input_gradient(recipe, g), np.float64)
+  nearest = np.asarray(input_gradient(dataclasses.replace(recipe, gradient_rounding="nearest"), g))
+  ones = np.tile(np.arange(64) % 16 != 0, (2048, 1))
+  assert set(np.unique(dx[ones])) == {1.0, 1.5}
+  assert dx[ones].mean() == pytest.approx(1.2, abs=0.005)  # unbiased
+  assert np.all(nearest[ones] == 1.0)  # premise: rounding to nearest loses 0.2 of each
+  assert np.all(dx[~ones] == 6.0)
+  # A pure function of the values: the same gradient rounds alike; one block's amax changed
+  # draws new bits for every block.
+  assert np.array_equal(dx, np.asarray(input_gradient(recipe, g), np.float64))
+  other = np.asarray(input_gradient(recipe, g.at[0, :16].multiply(0.5)), np.float64)
+  assert np.mean(other[1:][ones[1:]] != dx[1:][ones[1:]]) > 0.3
+
+
+def test_square_weight_blocks_give_the_forward_and_the_input_gradient_the_same_weight():
+  # Rows of very different magnitudes: a row-wise block scale differs from a tile's.
+  w = jax.random.normal(jax.random.key(0), (64, 64)) * jnp.exp2(jnp.arange(64) % 7)[:, None]
+  for square in (True, False):
+    recipe = dataclasses.replace(mpjax.NVFP4, square_weight_blocks=square)
+    out, vjp = _eye_layer(recipe, w)
+    dx, _ = jax.jit(vjp)(jnp.eye(64, dtype=jnp.bfloat16))  # dx = g @ w.T with g = I: w.T
+    same = np.array_equal(np.asarray(out), np.asarray(dx.astype(jnp.bfloat16)).T)
+    assert same == square, square  # premise: with 1 x 16 blocks the two copies differ
+  assert float(jnp.abs(out.astype(jnp.float32) - w).max()) > 0  # and w was quantized
+
+
+def test_the_hadamard_transform_is_orthogonal_and_the_weight_gradient_multiplies_its_operands():
+  from mpjax.block_scaled import _hadamard, _hadamard_matrix
+
+  q = _hadamard_matrix(16)
+  assert np.allclose(q @ q.T, np.eye(16), atol=1e-12) and set(np.unique(np.abs(q))) == {0.25}
+  x = jax.random.normal(jax.random.key(1), (128, 48)) * 10.0
+  got = np.asarray(jax.jit(_hadamard, static_argnums=(1, 2))(x, 0, 16), np.float64)
+  want = np.einsum("jsk,st->jtk", np.asarray(x, np.float64).reshape(8, 16, 48), q).reshape(128, 48)
+  assert np.max(np.abs(got - want)) <= 2e-6 * np.max(np.abs(want))
+  # The weight gradient of an NVFP4 layer: both operands transformed along M, then quantized.
+  recipe = dataclasses.replace(mpjax.NVFP4, gradient_rounding="nearest")
+  kw, kg = jax.random.split(jax.random.key(2))
+  w = jax.random.normal(kw, (48, 64)) * 0.05
+  g = jax.random.normal(kg, (128, 64)).astype(jnp.bfloat16)
+  dims = (((1,), (0,)), ((), ()))
+
+  def weight_gradient(recipe):
+    layer = lambda x, w: mpjax.block_scaled_dot(x, w, dims, recipe, jnp.bfloat16, (False, True))  # noqa: E731
+    return np.asarray(jax.jit(lambda x, w, g: jax.vjp(layer, x, w)[1](g)[1])(x, w, g), np.float64)
+
+  def along_m(a):  # the transformed operand quantized along M, dequantized: (cols, M)
+    cols = mpjax.quantize_blocks(_hadamard(a.astype(jnp.float32), 0, 16), recipe, axis=0)
+    return np.asarray(mpjax.dequantize_blocks(cols), np.float64)
+
+  dw = weight_gradient(recipe)
+  ref = along_m(x) @ along_m(g).T
+  tol = 2**-8 * np.abs(ref) + 1e-5 * np.abs(ref).max()
+  assert np.all(np.abs(dw - ref) <= tol), np.max(np.abs(dw - ref) / (np.abs(ref) + 1e-9))
+  exact = np.asarray(x, np.float64).T @ np.asarray(g.astype(jnp.float32), np.float64)
+  assert np.linalg.norm(dw - exact) < 0.3 * np.linalg.norm(exact)  # the product, kept
+  untransformed = weight_gradient(dataclasses.replace(recipe, hadamard_wgrad=False))
+  assert np.max(np.abs(untransformed - dw)) > 10 * np.max(tol)  # premise: it changed the GEMM
