@@ -485,18 +485,18 @@ def _hadamard_matrix(size: int) -> np.ndarray:
 
 def _hadamard(x: jax.Array, axis: int, size: int) -> jax.Array:
   """``x`` (f32) with each block of ``size`` along ``axis`` multiplied by
-  :func:`_hadamard_matrix`: the fast Walsh-Hadamard transform's butterflies, which XLA fuses
-  into the quantization (a 16 x 16 matmul would be a GEMM kernel of its own)."""
+  :func:`_hadamard_matrix`: each value of a block the sum of the block's values times a
+  column of the matrix, as elementwise products of its rows, which XLA fuses into the
+  quantization that reads them (a matmul would be a GEMM kernel of its own, and the fast
+  transform's butterflies concatenations XLA writes out in f32 at each step)."""
   shape = x.shape
-  steps = size.bit_length() - 1
-  y = x.reshape(*shape[:axis], shape[axis] // size, *([2] * steps), *shape[axis + 1 :])
-  for step in range(steps):
-    at = axis + 1 + step
-    low, high = (jax.lax.index_in_dim(y, i, at) for i in (0, 1))
-    y = jnp.concatenate([low + high, low - high], axis=at)
-  signs = _hadamard_signs(size).reshape(size, *([1] * (x.ndim - axis - 1)))
-  y = y.reshape(*shape[:axis], shape[axis] // size, size, *shape[axis + 1 :]) * signs
-  return y.reshape(shape) * np.float32(1 / math.sqrt(size))
+  blocks = x.reshape(*shape[:axis], shape[axis] // size, size, *shape[axis + 1 :])
+  matrix = _hadamard_matrix(size).astype(np.float32)
+  column = (size,) + (1,) * (x.ndim - axis - 1)  # a row of the matrix, along the block
+  terms = (
+    jax.lax.index_in_dim(blocks, i, axis + 1) * matrix[i].reshape(column) for i in range(size)
+  )
+  return functools.reduce(jnp.add, terms).reshape(shape)
 
 
 def _rounding_bits(amax: jax.Array, axis: int, shape: tuple[int, ...]) -> jax.Array:
