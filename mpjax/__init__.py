@@ -11,6 +11,7 @@ from mpjax.autocast import autocast as autocast
 from mpjax.autocast import autocast_report as autocast_report
 from mpjax.block_scaled import MXFP8 as MXFP8
 from mpjax.block_scaled import NVFP4 as NVFP4
+from mpjax.block_scaled import NVFP4_FP4_GRADIENTS as NVFP4_FP4_GRADIENTS
 from mpjax.block_scaled import BlockQuantized as BlockQuantized
 from mpjax.block_scaled import BlockScaledRecipe as BlockScaledRecipe
 from mpjax.block_scaled import block_scaled_dot as block_scaled_dot
@@ -94,6 +95,7 @@ __all__ = [
   "BlockScaledRecipe",
   "MXFP8",
   "NVFP4",
+  "NVFP4_FP4_GRADIENTS",
   "block_scaled_dot",
   "dequantize_blocks",
   "quantize_blocks",

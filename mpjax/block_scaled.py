@@ -61,6 +61,7 @@ __all__ = [
   "BlockQuantized",
   "MXFP8",
   "NVFP4",
+  "NVFP4_FP4_GRADIENTS",
   "block_scaled_dot",
   "dequantize_blocks",
   "quantize_blocks",
@@ -213,14 +214,7 @@ class BlockScaledRecipe:
 
   def same_numerics(self, other: BlockScaledRecipe) -> bool:
     """Whether ``other`` quantizes the forward GEMMs as this recipe does."""
-    fields = (
-      "element_format",
-      "scale_format",
-      "block_size",
-      "scale_rounding",
-      "tensor_scale",
-      "square_weight_blocks",
-    )
+    fields = ("element_format", "scale_format", "block_size", "scale_rounding", "tensor_scale")
     return all(getattr(self, f) == getattr(other, f) for f in fields)
 
   @property
@@ -261,14 +255,28 @@ NVFP4 = BlockScaledRecipe(
   block_size=16,
   scale_rounding="nearest",
   tensor_scale=True,
+  backward="mxfp8",
+)
+"""NVIDIA's NVFP4 recipe for the forward GEMMs (E2M1 values, an E4M3 scale per 16, an f32 scale
+per tensor), with the first and last GEMM in bf16 and the gradient GEMMs in MXFP8: mpjax's
+``mixed_nvfp4``. :data:`NVFP4_FP4_GRADIENTS` is NVIDIA's whole recipe, which runs the
+gradient GEMMs in NVFP4 too; compiled in XLA it moves more bytes (its estimated B200 step is
+slower) and trained the char LM further from bf16, so the preset keeps MXFP8 gradients."""
+
+NVFP4_FP4_GRADIENTS = BlockScaledRecipe(
+  element_format="e2m1",
+  scale_format="e4m3",
+  block_size=16,
+  scale_rounding="nearest",
+  tensor_scale=True,
   gradient_rounding="stochastic",
   square_weight_blocks=True,
   hadamard_wgrad=True,
 )
-"""NVIDIA's NVFP4 recipe (arXiv 2509.25149; Transformer Engine's ``NVFP4BlockScaling``): E2M1
-values, an E4M3 scale per 16 and an f32 scale per tensor in all three GEMMs; weights in 16 x 16
-blocks, gradients rounded stochastically, the weight-gradient GEMM's operands through a random
-Hadamard transform; the first and last GEMM in bf16."""
+"""NVIDIA's whole NVFP4 recipe (arXiv 2509.25149; Transformer Engine's ``NVFP4BlockScaling``):
+E2M1 values, an E4M3 scale per 16 and an f32 scale per tensor in all three GEMMs; weights in
+16 x 16 blocks, gradients rounded stochastically, the weight gradient's operands through a
+random Hadamard transform; the first and last GEMM in bf16."""
 
 
 class BlockQuantized(NamedTuple):

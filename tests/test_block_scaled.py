@@ -197,7 +197,9 @@ def test_recipes_refuse_bad_fields_early_with_the_fix():
     mpjax.BlockScaledRecipe(backward="bf16", gradient_rounding="stochastic")
   with pytest.raises(ValueError, match="24 x 24 Hadamard matrix, .* power of two only"):
     mpjax.BlockScaledRecipe(block_size=24, hadamard_wgrad=True)
-  assert mpjax.MXFP8.backward_recipe is mpjax.MXFP8 and mpjax.NVFP4.backward_recipe is mpjax.NVFP4
+  assert mpjax.MXFP8.backward_recipe is mpjax.MXFP8 and mpjax.NVFP4.backward_recipe is mpjax.MXFP8
+  full = mpjax.NVFP4_FP4_GRADIENTS
+  assert full.backward_recipe is full and full.name == "nvfp4"
   assert mpjax.BlockScaledRecipe(backward="mxfp8").backward_recipe is mpjax.MXFP8
   # auto never picks a block-scaled preset (here: a CPU).
   assert mpjax.get_policy("auto").fp8 is None
@@ -387,7 +389,7 @@ def test_stochastically_rounded_gradients_are_right_on_average_and_new_with_new_
   w = jnp.eye(64)  # quantized exactly: the input gradient is the quantized gradient itself
   x = jnp.ones((2048, 64))
   dims = (((1,), (0,)), ((), ()))
-  recipe = mpjax.NVFP4
+  recipe = mpjax.NVFP4_FP4_GRADIENTS
 
   def input_gradient(recipe, g):
     layer = lambda x, w: mpjax.block_scaled_dot(x, w, dims, recipe, jnp.bfloat16, (False, True))  # noqa: E731
@@ -411,7 +413,7 @@ def test_square_weight_blocks_give_the_forward_and_the_input_gradient_the_same_w
   # Rows of very different magnitudes: a row-wise block scale differs from a tile's.
   w = jax.random.normal(jax.random.key(0), (64, 64)) * jnp.exp2(jnp.arange(64) % 7)[:, None]
   for square in (True, False):
-    recipe = dataclasses.replace(mpjax.NVFP4, square_weight_blocks=square)
+    recipe = dataclasses.replace(mpjax.NVFP4_FP4_GRADIENTS, square_weight_blocks=square)
     out, vjp = _eye_layer(recipe, w)
     dx, _ = jax.jit(vjp)(jnp.eye(64, dtype=jnp.bfloat16))  # dx = g @ w.T with g = I: w.T
     same = np.array_equal(np.asarray(out), np.asarray(dx.astype(jnp.bfloat16)).T)
@@ -429,7 +431,7 @@ def test_the_hadamard_transform_is_orthogonal_and_the_weight_gradient_multiplies
   want = np.einsum("jsk,st->jtk", np.asarray(x, np.float64).reshape(8, 16, 48), q).reshape(128, 48)
   assert np.max(np.abs(got - want)) <= 2e-6 * np.max(np.abs(want))
   # The weight gradient of an NVFP4 layer: both operands transformed along M, then quantized.
-  recipe = dataclasses.replace(mpjax.NVFP4, gradient_rounding="nearest")
+  recipe = dataclasses.replace(mpjax.NVFP4_FP4_GRADIENTS, gradient_rounding="nearest")
   kw, kg = jax.random.split(jax.random.key(2))
   w = jax.random.normal(kw, (48, 64)) * 0.05
   g = jax.random.normal(kg, (128, 64)).astype(jnp.bfloat16)
