@@ -54,7 +54,7 @@ from jax.sharding import PartitionSpec as P
 from mpjax._backend import lowering_platform
 from mpjax.fp8 import check_choice, keep_bf16_globs
 from mpjax.gemm import SAVED, forward_gemm
-from mpjax.rounding import _fmix32, random_bits
+from mpjax.rounding import bits_seeded_by, round_stochastically
 
 __all__ = [
   "BlockScaledRecipe",
@@ -257,11 +257,9 @@ NVFP4 = BlockScaledRecipe(
   tensor_scale=True,
   backward="mxfp8",
 )
-"""NVIDIA's NVFP4 recipe for the forward GEMMs (E2M1 values, an E4M3 scale per 16, an f32 scale
-per tensor), with the first and last GEMM in bf16 and the gradient GEMMs in MXFP8: mpjax's
-``mixed_nvfp4``. :data:`NVFP4_FP4_GRADIENTS` is NVIDIA's whole recipe, which runs the
-gradient GEMMs in NVFP4 too; compiled in XLA it moves more bytes (its estimated B200 step is
-slower) and trained the char LM further from bf16, so the preset keeps MXFP8 gradients."""
+"""NVIDIA's NVFP4 recipe for the forward GEMMs (E2M1, an E4M3 scale per 16, an f32 scale per
+tensor), the gradient GEMMs in MXFP8, the first and last GEMM in bf16 (``mixed_nvfp4``); in XLA
+it estimates faster on B200, and trained closer to bf16, than :data:`NVFP4_FP4_GRADIENTS`."""
 
 NVFP4_FP4_GRADIENTS = BlockScaledRecipe(
   element_format="e2m1",
@@ -411,11 +409,8 @@ def _quantize(
   the same kernel that quantizes. Transposing ``x`` first would have XLA write it
   transposed in f32 and read it twice more.
 
-  The recipe's options, for the operands they apply to: ``square`` gives each
-  ``block x block`` tile of ``x``'s last two dimensions (``axis`` one of them)
-  one amax; ``hadamard`` first multiplies ``x`` by :func:`_hadamard` along
-  ``axis``; ``stochastic`` rounds the scaled values stochastically
-  (:func:`_round_stochastic`).
+  ``square``: one amax per ``block x block`` tile of the last two dimensions; ``hadamard``:
+  :func:`_hadamard` along ``axis`` first; ``stochastic``: stochastic rounding (:func:`_options`).
   """
   block = recipe.block_size
   element = recipe.element_dtype
@@ -463,7 +458,7 @@ def _quantize(
     inverse = jnp.where(jnp.isnan(divisor), jnp.nan, inverse)
   scaled = jnp.clip(blocks * jnp.expand_dims(inverse, axis + 1), -fmax, fmax)
   if stochastic:
-    scaled = _round_stochastic(scaled, element, _rounding_bits(amax, axis, scaled.shape))
+    scaled = round_stochastically(scaled, element, bits_seeded_by(amax, axis, scaled.shape))
   values = scaled.astype(element).reshape(shape)
   last = x.ndim - 1
   return BlockQuantized(
@@ -472,23 +467,14 @@ def _quantize(
 
 
 @functools.cache
-def _hadamard_signs(size: int) -> np.ndarray:
-  """The fixed random signs ``S`` of :func:`_hadamard`'s transform (a seeded draw, as
-  Transformer Engine fixes its own)."""
-  return np.random.default_rng(size).choice(np.array([-1.0, 1.0], np.float32), size)
-
-
 def _hadamard_matrix(size: int) -> np.ndarray:
-  """``H S / sqrt(size)``: the orthogonal matrix :func:`_hadamard` multiplies blocks by.
-
-  ``H`` is Sylvester's Hadamard matrix of ``size`` (a power of two) and ``S``
-  the diagonal of :func:`_hadamard_signs`; each row of a block, as a vector
-  ``u``, becomes ``u @ _hadamard_matrix(size)``.
-  """
+  """``H S / sqrt(size)``, the orthogonal matrix :func:`_hadamard` multiplies blocks by: ``H``
+  Sylvester's Hadamard matrix of ``size`` (a power of two), ``S`` a diagonal of random signs
+  drawn once with a fixed seed (as Transformer Engine fixes its own)."""
   h = np.ones((1, 1))
   while h.shape[0] < size:
     h = np.block([[h, h], [h, -h]])
-  return h * _hadamard_signs(size)[None, :] / math.sqrt(size)
+  return h * np.random.default_rng(size).choice([-1.0, 1.0], size) / math.sqrt(size)
 
 
 def _hadamard(x: jax.Array, axis: int, size: int) -> jax.Array:
@@ -505,33 +491,6 @@ def _hadamard(x: jax.Array, axis: int, size: int) -> jax.Array:
     jax.lax.index_in_dim(blocks, i, axis + 1) * matrix[i].reshape(column) for i in range(size)
   )
   return functools.reduce(jnp.add, terms).reshape(shape)
-
-
-def _rounding_bits(amax: jax.Array, axis: int, shape: tuple[int, ...]) -> jax.Array:
-  """Random ``uint32`` bits for each value of ``shape``: its index hashed with a seed hashed
-  from the blocks' amaxes (each with its index) and ``axis``, so a tensor's row-wise and
-  column-wise copies draw apart and each step's gradients draw new bits."""
-  u32 = jnp.uint32
-  words = jax.lax.bitcast_convert_type(amax, u32).reshape(-1)
-  index = jax.lax.iota(u32, words.size)
-  seed = jnp.sum(_fmix32(words ^ (index * u32(0x9E3779B9))), dtype=u32)
-  return random_bits(jnp.stack([seed, _fmix32(seed + u32(1))]), jnp.int32(0), axis, shape)
-
-
-def _round_stochastic(v: jax.Array, element: np.dtype, bits: jax.Array) -> jax.Array:
-  """``v`` (f32, within the element format's range) rounded to one of the two element values
-  around it: the upper with probability ``(|v| - lower) / (upper - lower)``, from the top 24 of
-  ``bits``. Exact: the spacing is a power of two, read from ``v``'s exponent."""
-  info = jnp.finfo(element)
-  a = jnp.abs(v)
-  exponent = (jax.lax.bitcast_convert_type(a, jnp.uint32) >> 23).astype(jnp.int32) - 127
-  exponent = jnp.maximum(exponent, info.minexp)  # below it, the subnormals' fixed spacing
-  spacing = jax.lax.bitcast_convert_type((exponent - info.nmant + 127) << 23, jnp.float32)
-  steps = a / spacing
-  lower = jnp.floor(steps)
-  uniform = (bits >> 8).astype(jnp.float32) * np.float32(2.0**-24)
-  rounded = (lower + (uniform < steps - lower)) * spacing
-  return jnp.where(jnp.isnan(v), v, jnp.copysign(rounded, v))
 
 
 def dequantize_blocks(q: BlockQuantized, dtype: Any = jnp.float32) -> jax.Array:
@@ -659,9 +618,8 @@ def _blocked(
 def _options(
   recipe: BlockScaledRecipe, weight: bool = False, wgrad: bool = False, gradient: bool = False
 ) -> dict[str, bool]:
-  """What of ``recipe``'s options an operand's quantization takes: a ``weight`` (passed as
-  is) its square blocks, an operand of the weight-gradient GEMM (``wgrad``) the Hadamard
-  transform, the output ``gradient`` the stochastic rounding."""
+  """The options of ``recipe`` an operand takes: a ``weight`` (passed as is) square blocks, a
+  weight gradient's operand (``wgrad``) the Hadamard transform, the output ``gradient`` SR."""
   return {
     "square": weight and recipe.square_weight_blocks,
     "hadamard": wgrad and recipe.hadamard_wgrad,
@@ -698,16 +656,14 @@ def _forward(lhs, rhs, dimension_numbers, recipe, compute_dtype, saved_as_is):
   saved = (
     lhs
     if lhs_weight
-    else _kept_tree(_blocked(lhs3, 1, backward, compute_dtype, **_options(recipe, wgrad=True))),
-    rhs if rhs_weight else _kept_tree(_blocked(_swap(rhs3), 2, backward, compute_dtype)),
+    else jax.tree.map(
+      _kept, _blocked(lhs3, 1, backward, compute_dtype, **_options(recipe, wgrad=True))
+    ),
+    rhs if rhs_weight else jax.tree.map(_kept, _blocked(_swap(rhs3), 2, backward, compute_dtype)),
   )
   # Zero-size arrays carry the operands' shapes and dtypes to the backward pass.
   shapes = (jnp.zeros((0, *lhs.shape), lhs.dtype), jnp.zeros((0, *rhs.shape), rhs.dtype))
   return out, (*saved, *shapes)
-
-
-def _kept_tree(tree: Any) -> Any:
-  return jax.tree.map(_kept, tree)
 
 
 def _backward(dimension_numbers, recipe, compute_dtype, saved_as_is, residuals, g):

@@ -41,8 +41,8 @@ from jax import lax
 
 from mpjax._dtypes import is_floating, to_f32
 
-# ROUNDINGS, uses_rounded_storage, random_bits and _fmix32 are the library's own (policy.py,
-# train_step.py and block_scaled.py use them), not exported.
+# ROUNDINGS, uses_rounded_storage, random_bits, bits_seeded_by and round_stochastically are the
+# library's own (policy.py, train_step.py and block_scaled.py use them), not exported.
 __all__ = [
   "RoundingState",
   "stochastic_round",
@@ -245,6 +245,34 @@ def _seeds(key: jax.Array, count: jax.Array, streams: np.ndarray) -> tuple[jax.A
   seed0 = _fmix32(step ^ key[0] ^ leaf)
   seed1 = _fmix32(seed0 + leaf + u32(0x2545F491))
   return seed0, seed1
+
+
+def bits_seeded_by(values: jax.Array, stream: int, shape: tuple[int, ...]) -> jax.Array:
+  """Random ``uint32`` bits of ``shape`` (:func:`random_bits`), seeded by a hash of ``values``
+  (f32, each bit pattern hashed with its index) and ``stream``: a pure function of them, so new
+  values (a new step's gradients) draw new bits and the same values the same ones."""
+  u32 = jnp.uint32
+  words = lax.bitcast_convert_type(values.astype(jnp.float32), u32).reshape(-1)
+  index = lax.iota(u32, words.size)
+  seed = jnp.sum(_fmix32(words ^ (index * u32(0x9E3779B9))), dtype=u32)
+  return random_bits(jnp.stack([seed, _fmix32(seed + u32(1))]), jnp.int32(0), stream, shape)
+
+
+def round_stochastically(v: jax.Array, dtype: Any, bits: jax.Array) -> jax.Array:
+  """``v`` (f32, within ``dtype``'s finite range) rounded to one of the two ``dtype`` values
+  around it: the upper with probability ``(|v| - lower) / (upper - lower)``, from the top 24
+  of ``bits``; returned in f32, exactly a ``dtype`` value. Exact: the spacing is a power of
+  two, read from ``v``'s exponent (``dtype``'s subnormal spacing below its normal range)."""
+  info = jnp.finfo(dtype)
+  a = jnp.abs(v)
+  exponent = (lax.bitcast_convert_type(a, jnp.uint32) >> 23).astype(jnp.int32) - 127
+  exponent = jnp.maximum(exponent, info.minexp)
+  spacing = lax.bitcast_convert_type((exponent - info.nmant + 127) << 23, jnp.float32)
+  steps = a / spacing
+  lower = jnp.floor(steps)
+  uniform = (bits >> 8).astype(jnp.float32) * np.float32(2.0**-24)
+  rounded = (lower + (uniform < steps - lower)) * spacing
+  return jnp.where(jnp.isnan(v), v, jnp.copysign(rounded, v))
 
 
 def _bits(seed0: jax.Array, seed1: jax.Array, shape: tuple[int, ...]) -> jax.Array:

@@ -350,7 +350,7 @@ def _reference_stochastic(v, element, bits):
 
 @pytest.mark.parametrize("element", [E2M1, E4M3])
 def test_stochastic_rounding_matches_a_reference_bit_for_bit(element):
-  from mpjax.block_scaled import _round_stochastic
+  from mpjax.rounding import round_stochastically
 
   rng = np.random.default_rng(0)
   fmax = float(ml_dtypes.finfo(element).max)
@@ -364,7 +364,7 @@ def test_stochastic_rounding_matches_a_reference_bit_for_bit(element):
     ]
   ).astype(np.float32)
   bits = rng.integers(0, 2**32, v.size, dtype=np.uint32)
-  round_ = jax.jit(_round_stochastic, static_argnums=1)
+  round_ = jax.jit(round_stochastically, static_argnums=1)
   got = np.asarray(round_(jnp.asarray(v), np.dtype(element), jnp.asarray(bits)))
   want = _reference_stochastic(v, element, bits)
   assert got.tobytes() == want.tobytes()  # signs of zeros included
@@ -441,12 +441,13 @@ def test_the_hadamard_transform_is_orthogonal_and_the_weight_gradient_multiplies
     layer = lambda x, w: mpjax.block_scaled_dot(x, w, dims, recipe, jnp.bfloat16, (False, True))  # noqa: E731
     return np.asarray(jax.jit(lambda x, w, g: jax.vjp(layer, x, w)[1](g)[1])(x, w, g), np.float64)
 
+  @jax.jit
   def along_m(a):  # the transformed operand quantized along M, dequantized: (cols, M)
     cols = mpjax.quantize_blocks(_hadamard(a.astype(jnp.float32), 0, 16), recipe, axis=0)
-    return np.asarray(mpjax.dequantize_blocks(cols), np.float64)
+    return mpjax.dequantize_blocks(cols)
 
   dw = weight_gradient(recipe)
-  ref = along_m(x) @ along_m(g).T
+  ref = np.asarray(along_m(x), np.float64) @ np.asarray(along_m(g), np.float64).T
   tol = 2**-8 * np.abs(ref) + 1e-5 * np.abs(ref).max()
   assert np.all(np.abs(dw - ref) <= tol), np.max(np.abs(dw - ref) / (np.abs(ref) + 1e-9))
   exact = np.asarray(x, np.float64).T @ np.asarray(g.astype(jnp.float32), np.float64)
