@@ -261,12 +261,9 @@ NVFP4 = BlockScaledRecipe(
 tensor), the gradient GEMMs in MXFP8, the first and last GEMM in bf16 (``mixed_nvfp4``); in XLA
 it estimates faster on B200, and trained closer to bf16, than :data:`NVFP4_FP4_GRADIENTS`."""
 
-NVFP4_FP4_GRADIENTS = BlockScaledRecipe(
-  element_format="e2m1",
-  scale_format="e4m3",
-  block_size=16,
-  scale_rounding="nearest",
-  tensor_scale=True,
+NVFP4_FP4_GRADIENTS = dataclasses.replace(
+  NVFP4,
+  backward="same",
   gradient_rounding="stochastic",
   square_weight_blocks=True,
   hadamard_wgrad=True,

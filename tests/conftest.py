@@ -89,8 +89,7 @@ SLOW = {
     "three whole-step GPU compiles"
   ),
   "tests/test_gpu.py::test_the_h200_run_that_lost_fp8": "whole-step GPU compiles of an LM",
-  "tests/test_gpu.py::test_mixed_nvfp4_runs_its_forward_gemms": "whole-step GPU compiles",
-  "tests/test_gpu.py::test_nvidias_whole_nvfp4_recipe": "whole-step GPU compiles",
+  "tests/test_gpu.py::test_nvfp4_runs_its_forward_gemms": "whole-step GPU compiles",
   "tests/test_gpu.py::test_block_scaled_dot_under_jax_grad": "GPU compiles for two targets",
   "tests/test_gpu.py::test_the_fp8_share_of_a_mixed_fp8_step_compiled_for_h100_in_the_default_"
   "mode[lm": "a whole-step GPU compile of an LM (the MLPs' in the default set)",

@@ -653,50 +653,34 @@ def test_doctor_says_a_block_scaled_policy_is_emulated_on_h100():
   assert "| mixed_mxfp8 | " in out and "| mixed_bf16 | " in out
 
 
-def test_mixed_nvfp4_runs_its_forward_gemms_in_fp4_and_its_gradients_in_mxfp8_on_b200():
-  step, state, batch = _mlp_step("mixed_nvfp4", depth=5)
-  h100 = mpjax.audit(step, state, batch, target="h100", gemm_backend="default")
-  scales = sorted(r.block_scales for r in h100.rows if "block-scaled-emulated" in _codes(r))
-  assert scales == ["f8_e4m3fn per 16"] * 3 + ["f8_e8m0fnu per 32"] * 6
-  if NO_DEVICELESS_CUDNN:  # the B200 compile: see test_every_gemm_mixed_mxfp8_plans_...
-    return
-  report = mpjax.audit(step, state, batch, target="b200", gemm_backend="default")
-  blocked = [r for r in report.rows if r.block_scales]
-  assert {r.call for r in blocked} == {"__cudnn$blockScaledDot"} and not report.flagged
-  by_scales = sorted((r.block_scales, r.compiled_dtypes) for r in blocked)
-  assert (
-    by_scales
-    == [("f8_e4m3fn per 16", "f4_e2m1fn x f4_e2m1fn -> f32")] * 3
-    + [("f8_e8m0fnu per 32", "f8_e4m3fn x f8_e4m3fn -> bf16")] * 6
-  )
-  kernels = mpjax.kernel_report(step, state, batch, target="b200")
-  fp4 = [k for k in kernels.kernels if str(k.peak_dtype).startswith("float4")]
-  assert len(fp4) == 3  # at B200's FP4 peak, twice its FP8 one
-  assert kernels.kernel_seconds(fp4[0]) <= max(
-    fp4[0].flops / 9000e12, fp4[0].bytes / (mpjax.get_target("b200").memory_tbps * 1e12)
-  )
-
-
-def test_nvidias_whole_nvfp4_recipe_runs_all_three_gemms_of_each_layer_in_fp4_on_b200():
-  policy = mpjax.Policy(jnp.float32, jnp.bfloat16, jnp.float32, fp8=mpjax.NVFP4_FP4_GRADIENTS)
+@pytest.mark.parametrize("gradients", ["mxfp8", "nvfp4"])
+def test_nvfp4_runs_its_forward_gemms_in_fp4_and_its_gradients_as_its_recipe_says_on_b200(
+  gradients,
+):
+  # mixed_nvfp4: gradient GEMMs in MXFP8; NVIDIA's whole recipe (NVFP4_FP4_GRADIENTS): in FP4.
+  recipe = mpjax.NVFP4 if gradients == "mxfp8" else mpjax.NVFP4_FP4_GRADIENTS
+  policy = mpjax.Policy(jnp.float32, jnp.bfloat16, jnp.float32, fp8=recipe)
+  fp4 = ("f8_e4m3fn per 16", "f4_e2m1fn x f4_e2m1fn -> f32")
+  mx = ("f8_e8m0fnu per 32", "f8_e4m3fn x f8_e4m3fn -> bf16")
+  want = sorted([fp4] * 3 + [mx if gradients == "mxfp8" else fp4] * 6)
   step, state, batch = _mlp_step(policy, depth=5)
   h100 = mpjax.audit(step, state, batch, target="h100", gemm_backend="default")
   scales = sorted(r.block_scales for r in h100.rows if "block-scaled-emulated" in _codes(r))
-  assert scales == ["f8_e4m3fn per 16"] * 9  # forward, input and weight gradients alike
+  assert scales == [scale for scale, _ in want]
   if NO_DEVICELESS_CUDNN:  # the B200 compile: see test_every_gemm_mixed_mxfp8_plans_...
     return
   report = mpjax.audit(step, state, batch, target="b200", gemm_backend="default")
   blocked = [r for r in report.rows if r.block_scales]
   assert {r.call for r in blocked} == {"__cudnn$blockScaledDot"} and not report.flagged
-  by_scales = sorted((r.block_scales, r.compiled_dtypes) for r in blocked)
-  assert by_scales == [("f8_e4m3fn per 16", "f4_e2m1fn x f4_e2m1fn -> f32")] * 9
+  assert sorted((r.block_scales, r.compiled_dtypes) for r in blocked) == want
   kernels = mpjax.kernel_report(step, state, batch, target="b200")
-  fp4 = [k for k in kernels.kernels if str(k.peak_dtype).startswith("float4")]
-  assert len(fp4) == 9  # at B200's FP4 peak, twice its FP8 one
-  assert kernels.kernel_seconds(fp4[0]) <= max(
-    fp4[0].flops / 9000e12, fp4[0].bytes / (mpjax.get_target("b200").memory_tbps * 1e12)
+  fp4_kernels = [k for k in kernels.kernels if str(k.peak_dtype).startswith("float4")]
+  assert len(fp4_kernels) == want.count(fp4)  # at B200's FP4 peak, twice its FP8 one
+  k = fp4_kernels[0]
+  assert kernels.kernel_seconds(k) <= max(
+    k.flops / 9000e12, k.bytes / (mpjax.get_target("b200").memory_tbps * 1e12)
   )
-  # The Hadamard transforms are elementwise butterflies XLA fuses, not GEMMs of their own.
+  # No GEMM kernel but the model's: the Hadamard transform is elementwise, fused by XLA.
   assert kernels.by_kind["gemm"] == len(report.rows)
 
 
