@@ -478,8 +478,8 @@ def _hadamard(x: jax.Array, axis: int, size: int) -> jax.Array:
   """``x`` (f32) with each block of ``size`` along ``axis`` multiplied by
   :func:`_hadamard_matrix`: each value of a block the sum of the block's values times a
   column of the matrix, as elementwise products of its rows, which XLA fuses into the
-  quantization that reads them (a matmul would be a GEMM kernel of its own, and the fast
-  transform's butterflies concatenations XLA writes out in f32 at each step)."""
+  quantization that reads them (a matmul would be a GEMM kernel of its own; the fast
+  transform's butterflies are concatenations, which XLA writes out in f32 at each step)."""
   shape = x.shape
   blocks = x.reshape(*shape[:axis], shape[axis] // size, size, *shape[axis + 1 :])
   matrix = _hadamard_matrix(size).astype(np.float32)
