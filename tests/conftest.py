@@ -89,6 +89,8 @@ SLOW = {
     "three whole-step GPU compiles"
   ),
   "tests/test_gpu.py::test_the_h200_run_that_lost_fp8": "whole-step GPU compiles of an LM",
+  "tests/test_models.py::test_bad_inputs_raise": "an LM and a CNN traced for each bad input",
+  "tests/test_fp8.py::test_gemm_under_another_fp8_recipe": "train steps under three rule sets",
   "tests/test_gpu.py::test_nvfp4_runs_its_forward_gemms": "whole-step GPU compiles",
   "tests/test_gpu.py::test_block_scaled_dot_under_jax_grad": "GPU compiles for two targets",
   "tests/test_gpu.py::test_the_fp8_share_of_a_mixed_fp8_step_compiled_for_h100_in_the_default_"
